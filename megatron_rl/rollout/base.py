@@ -1,0 +1,70 @@
+"""The rollout-engine interface: sample responses, take new weights, report their version.
+
+One abstract class, one file per implementation (``vllm_engine.py`` in-process, ``remote.py`` an
+engine in its own process), one factory (``megatron_rl.rollout.make_engine``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingSpec:
+    """How to sample. ``n`` responses per prompt; ``max_tokens`` is the stage's max response length."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    max_tokens: int = 64
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(kw_only=True)
+class Completion:
+    """One sampled response."""
+
+    token_ids: list[int]
+    # Log-prob of each sampled token under the engine's (processed: temperature, top-k/p) distribution.
+    logprobs: list[float]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    # The response hit the max length without an end-of-sequence token (the seed's "truncated").
+    truncated: bool
+    weight_version: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class RolloutEngine(ABC):
+    """A generation engine whose weights the trainer replaces after every update."""
+
+    weight_version: int = 0
+
+    @abstractmethod
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
+        """``sampling.n`` completions for every prompt, in prompt order."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
+        """Load HF-named full tensors in place, reset the prefix cache, set ``weight_version``.
+
+        Returns metrics (bytes, tensors, seconds)."""
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> None:
+        """Drop cached prefixes (they were computed with older weights)."""
+
+    def sleep(self) -> None:  # free KV cache while the trainer runs (colocated mode)
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

