@@ -1,0 +1,131 @@
+"""The CPU shim: Megatron's CUDA-only spots run on the CPU, and nothing changes when CUDA exists.
+
+The shim patches process-wide state, so the before/after checks run in fresh interpreters; the
+behaviour checks (gradient clipping, the RNG tracker) run here against float64 / plain-torch
+references.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from megatron_rl.compat import apply_cpu_shim, cpu_shim_active
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shim is inactive with CUDA")
+
+
+def _run(code: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_fresh_process_needs_shim_and_apply_is_idempotent():
+    out = _run("""
+        import torch
+        from megatron_rl.compat import apply_cpu_shim, cpu_shim_active
+        try:
+            torch.zeros(1, device="cuda")
+            print("before: ok")
+        except (RuntimeError, AssertionError, AttributeError):
+            print("before: fails")
+        depth = torch._C._len_torch_function_stack()
+        assert apply_cpu_shim() and apply_cpu_shim() and cpu_shim_active()
+        print("modes added:", torch._C._len_torch_function_stack() - depth)
+        print("after:", torch.zeros(1, device="cuda").device)
+    """)
+    assert "before: fails" in out  # the patching is really needed on this machine
+    assert "modes added: 1" in out  # a second call does not stack a second mode
+    assert "after: cpu" in out
+
+
+def test_noop_when_cuda_is_available():
+    out = _run("""
+        import torch
+        torch.cuda.is_available = lambda: True
+        before = (torch.cuda.current_device, torch.cuda.manual_seed, torch.cuda.get_rng_state)
+        depth = torch._C._len_torch_function_stack()
+        from megatron_rl.compat import apply_cpu_shim, cpu_shim_active
+        print("applied:", apply_cpu_shim(), cpu_shim_active())
+        after = (torch.cuda.current_device, torch.cuda.manual_seed, torch.cuda.get_rng_state)
+        print("unchanged:", before == after and torch._C._len_torch_function_stack() == depth)
+    """)
+    assert "applied: False False" in out
+    assert "unchanged: True" in out
+
+
+def test_cuda_placements_land_on_cpu():
+    assert apply_cpu_shim()
+    assert torch.cuda.current_device() == 0
+    torch.cuda.synchronize()
+    x = torch.arange(4.0)
+    for device in ("cuda", "cuda:0", torch.device("cuda"), torch.cuda.current_device()):
+        assert torch.zeros(2, device=device).device.type == "cpu"
+        assert torch.tensor([1.0], device=device).device.type == "cpu"
+        assert x.to(device).device.type == "cpu"
+        assert x.to(device=device).device.type == "cpu"
+    assert x.cuda() is x
+    assert x.type() == "torch.cuda.FloatTensor"
+    assert x.type(torch.float64).dtype == torch.float64  # the converting form is untouched
+    assert x.to(torch.float64).dtype == torch.float64
+    assert torch.zeros(2, device="meta").device.type == "meta"
+
+
+def test_rng_tracker_forks_the_cpu_generator():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    assert apply_cpu_shim()
+    tracker = mrandom.CudaRNGStatesTracker()
+    torch.manual_seed(1234)
+    tracker.add("model-parallel-rng", 77)
+    inside = []
+    with tracker.fork("model-parallel-rng"):
+        inside.append(torch.rand(3))
+    outside = torch.rand(3)
+    with tracker.fork("model-parallel-rng"):
+        inside.append(torch.rand(3))  # continues the forked stream
+
+    torch.manual_seed(1234)
+    ref_outside = torch.rand(3)  # forking and adding leave the default stream where it was
+    gen = torch.Generator().manual_seed(77)
+    ref_inside = torch.rand(6, generator=gen)
+    assert torch.equal(outside, ref_outside)
+    assert torch.equal(torch.cat(inside), ref_inside)
+
+
+def test_megatron_clip_grads_on_cpu_matches_float64(tmp_path):
+    # Megatron's clipping all-reduces over a process group: run it in a fresh one-rank gloo world.
+    out = _run(f"""
+        import torch
+        from megatron_rl.compat import apply_cpu_shim
+        apply_cpu_shim()
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
+        store = torch.distributed.FileStore({str(tmp_path / "store")!r}, 1)
+        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(5, 3, generator=gen)) for _ in range(3)]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        torch.save([p.grad.clone() for p in params], {str(tmp_path / "before.pt")!r})
+        norm = get_grad_norm_fp32([p.grad for p in params])
+        clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=norm)
+        torch.save([p.grad for p in params], {str(tmp_path / "after.pt")!r})
+        print("norm", repr(norm))
+        torch.distributed.destroy_process_group()
+    """)
+    norm = float(out.split("norm", 1)[1])
+    before = [g.double() for g in torch.load(tmp_path / "before.pt")]
+    after = torch.load(tmp_path / "after.pt")
+    ref_norm = math.sqrt(sum(float((g * g).sum()) for g in before))
+    assert norm == pytest.approx(ref_norm, rel=1e-6)
+    coeff = 1.0 / (ref_norm + 1e-6)
+    assert coeff < 1.0  # clipping really happened
+    for got, g in zip(after, before):
+        torch.testing.assert_close(got.double(), g * coeff, rtol=1e-6, atol=1e-7)
