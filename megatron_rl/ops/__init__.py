@@ -1,0 +1,6 @@
+"""Fused per-token log-prob and entropy (PyTorch chunked and Triton back-ends, vocab-parallel)."""
+
+from .config import LogprobOpsConfig
+from .logprob_entropy import fused_logprob_entropy
+
+__all__ = ["LogprobOpsConfig", "fused_logprob_entropy"]

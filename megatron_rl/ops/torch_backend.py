@@ -1,0 +1,131 @@
+"""PyTorch chunked back-end: tiles over tokens and vocabulary, never holds more than one tile of logits.
+
+Forward: for each token chunk, run over the vocabulary chunks, computing the tile of scaled logits
+``z = (h @ W_v^T) / T`` in fp32 and folding it into the online statistics of :mod:`.stats`; the label
+logit is picked from the tile that holds it.
+
+Backward: recompute each tile and form the logit gradient in place,
+``dz = g_logp * (onehot - p) + g_ent * p * (E_p[z] - z)`` with ``p = exp(z - lse)``, then
+accumulate ``grad_h += dz @ W_v / T`` and ``grad_W_v += dz^T @ h / T``.
+
+Two reusable tile buffers (``chunk_tokens * chunk_vocab`` fp32 each) are the only large temporaries:
+reusing them avoids page-faulting fresh memory for every tile on CPU. All outputs are written through
+the ``out`` tensors the caller passes, each element written at least once before being accumulated
+into, so the caller can hand over uninitialised memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .stats import SoftmaxStats, merge_into
+
+# Defaults chosen by benchmarks/logprob_entropy.py on the CPU box and for an H200 (tile fp32 bytes:
+# CPU 2048*4096*4 = 32 MiB, GPU 8192*16384*4 = 512 MiB).
+DEFAULT_CHUNKS = {"cpu": (2048, 4096), "cuda": (8192, 16384)}
+
+
+def default_chunks(device: torch.device) -> tuple[int, int]:
+    return DEFAULT_CHUNKS.get(device.type, DEFAULT_CHUNKS["cpu"])
+
+
+class _Tiles:
+    """Two flat fp32 buffers handing out contiguous ``[rows, cols]`` views."""
+
+    def __init__(self, chunk_tokens: int, chunk_vocab: int, device: torch.device, n_rows: int,
+                 n_cols: int):
+        size = min(chunk_tokens, n_rows) * min(chunk_vocab, n_cols)
+        self.a = torch.empty(size, dtype=torch.float32, device=device)
+        self.b = torch.empty(size, dtype=torch.float32, device=device)
+
+    def views(self, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = rows * cols
+        return self.a[:n].view(rows, cols), self.b[:n].view(rows, cols)
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def _label_cols(local_labels: torch.Tensor, v0: int, v1: int):
+    """Rows whose label falls in ``[v0, v1)`` and the label's column in the tile."""
+    rows = torch.nonzero((local_labels >= v0) & (local_labels < v1)).squeeze(1)
+    return rows, local_labels[rows] - v0
+
+
+def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, local_labels: torch.Tensor, *,
+                  inv_temp: float, chunk_tokens: int, chunk_vocab: int, out: SoftmaxStats,
+                  out_label: torch.Tensor) -> None:
+    """Fill ``out`` (m, s, t) and ``out_label`` (the label's scaled logit, 0 when the label is not
+    in this shard: ``local_labels < 0``) for ``hidden [N, H]`` against ``weight [V, H]``."""
+    n_tok, n_voc = hidden.shape[0], weight.shape[0]
+    tiles = _Tiles(chunk_tokens, chunk_vocab, hidden.device, n_tok, n_voc)
+    want_t = out.t is not None
+    for n0 in range(0, n_tok, chunk_tokens):
+        n1 = min(n0 + chunk_tokens, n_tok)
+        h = _f32(hidden[n0:n1])
+        labels = local_labels[n0:n1]
+        out_label[n0:n1].zero_()
+        acc = SoftmaxStats(out.m[n0:n1], out.s[n0:n1], out.t[n0:n1] if want_t else None)
+        for v0 in range(0, n_voc, chunk_vocab):
+            v1 = min(v0 + chunk_vocab, n_voc)
+            z, e = tiles.views(n1 - n0, v1 - v0)
+            torch.mm(h, _f32(weight[v0:v1]).t(), out=z)
+            z.mul_(inv_temp)
+            rows, cols = _label_cols(labels, v0, v1)
+            out_label[n0:n1].index_copy_(0, rows, z[rows, cols])
+            m = z.amax(dim=1)
+            z.sub_(m[:, None])
+            torch.exp(z, out=e)
+            s = e.sum(dim=1)
+            t = e.mul_(z).sum(dim=1) if want_t else None
+            if v0 == 0:
+                acc.m.copy_(m)
+                acc.s.copy_(s)
+                if want_t:
+                    acc.t.copy_(t)
+            else:
+                merge_into(acc, SoftmaxStats(m, s, t))
+
+
+def backward(hidden: torch.Tensor, weight: torch.Tensor, local_labels: torch.Tensor, *,
+             inv_temp: float, lse: torch.Tensor, mean_z: torch.Tensor | None,
+             g_logp: torch.Tensor, g_ent: torch.Tensor | None, chunk_tokens: int, chunk_vocab: int,
+             grad_hidden: torch.Tensor | None, grad_weight: torch.Tensor | None) -> None:
+    """Write the fp32 gradients of ``sum(g_logp * logp + g_ent * entropy)`` into ``grad_hidden
+    [N, H]`` and ``grad_weight [V, H]`` (either may be None to skip it). ``g_ent=None`` skips the
+    entropy term; ``mean_z`` is ``E_p[z]``, needed only with ``g_ent``. ``grad_hidden`` is this
+    shard's contribution: the caller sums it over vocab-parallel ranks."""
+    n_tok, n_voc = hidden.shape[0], weight.shape[0]
+    tiles = _Tiles(chunk_tokens, chunk_vocab, hidden.device, n_tok, n_voc)
+    for v0 in range(0, n_voc, chunk_vocab):
+        v1 = min(v0 + chunk_vocab, n_voc)
+        w = _f32(weight[v0:v1])
+        for n0 in range(0, n_tok, chunk_tokens):
+            n1 = min(n0 + chunk_tokens, n_tok)
+            h = _f32(hidden[n0:n1])
+            gl = g_logp[n0:n1, None]
+            z, g = tiles.views(n1 - n0, v1 - v0)
+            torch.mm(h, w.t(), out=z)
+            z.mul_(inv_temp)
+            torch.sub(z, lse[n0:n1, None], out=g)
+            g.exp_()  # p
+            if g_ent is not None:
+                # g = p * (g_ent * (E[z] - z) - g_logp)
+                z.sub_(mean_z[n0:n1, None]).mul_(-g_ent[n0:n1, None]).sub_(gl)
+                g.mul_(z)
+            else:
+                g.mul_(-gl)
+            rows, cols = _label_cols(local_labels[n0:n1], v0, v1)
+            g[rows, cols] += g_logp[n0:n1][rows]
+            g.mul_(inv_temp)
+            if grad_hidden is not None:
+                if v0 == 0:
+                    torch.mm(g, w, out=grad_hidden[n0:n1])
+                else:
+                    grad_hidden[n0:n1].addmm_(g, w)
+            if grad_weight is not None:
+                if n0 == 0:
+                    torch.mm(g.t(), h, out=grad_weight[v0:v1])
+                else:
+                    grad_weight[v0:v1].addmm_(g.t(), h)
