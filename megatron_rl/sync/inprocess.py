@@ -1,0 +1,46 @@
+"""The engine lives in the trainer's process (the CPU demo): hand it the tensors directly."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from megatron_rl.sync.base import NamedTensors, SyncError, SyncMetrics, WeightSync
+from megatron_rl.sync.config import SyncConfig
+
+
+class InProcessWeightSync(WeightSync):
+    """Calls ``engine.update_weights(named_tensors, version)`` on every engine.
+
+    With ``verify`` the engine must then report ``weight_version == version``; the bytes are the
+    trainer's own tensors, so there is nothing in flight to checksum.
+    """
+
+    def __init__(self, config: SyncConfig, engines: Sequence, *, sender: bool = True):
+        super().__init__(config)
+        self.engines = list(engines)
+        self.sender = sender
+
+    def sync(self, named_tensors: NamedTensors, version: int) -> SyncMetrics:
+        t0 = time.perf_counter()
+        if not self.sender:
+            for _ in named_tensors:
+                pass
+            return SyncMetrics(version=version)
+        # one engine streams; several need the tensors more than once
+        tensors = named_tensors if len(self.engines) == 1 else list(named_tensors)
+        counted: list[tuple[str, object]] = []
+
+        def counting():
+            for name, tensor in tensors:
+                counted.append((name, tensor.numel() * tensor.element_size()))
+                yield name, tensor
+
+        for i, engine in enumerate(self.engines):
+            engine.update_weights(counting() if i == 0 else iter(tensors), version)
+            if self.config.verify and engine.weight_version != version:
+                raise SyncError(f"engine {getattr(engine, 'name', i)}: weight_version is "
+                                f"{engine.weight_version} after loading version {version}")
+        return SyncMetrics(version=version, seconds=time.perf_counter() - t0,
+                           bytes=sum(n for _, n in counted), tensors=len(counted),
+                           engines=len(self.engines), verified=self.config.verify)
