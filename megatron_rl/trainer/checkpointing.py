@@ -1,0 +1,127 @@
+"""Where a stage starts, resumable checkpoints, and the end of a stage.
+
+A stage resumes from its own newest complete checkpoint if there is one; otherwise it starts from
+the previous stage's ``final`` (found in the run directory, no conversion), or for the first stage
+from ``trainer.init_from``, the SFT cold start's result, or the base model.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from megatron_rl.data import PromptLoader
+from megatron_rl.trainer.evaluate import sync_weights
+from megatron_rl.trainer.state import RunDir, TrainerState, capture_rng, restore_rng
+
+log = logging.getLogger("megatron_rl")
+
+
+def start_point(ctx, stage_name: str) -> Path | None:
+    """The checkpoint a stage starts from when it has none of its own (None: the base model)."""
+    cfg, run = ctx.cfg, ctx.run
+    names = [s.name for s in cfg.stages]
+    i = names.index(stage_name)
+    if i > 0:
+        prev = run.final_dir(names[i - 1])
+        if not RunDir.is_complete(prev):
+            raise RuntimeError(f"stage {stage_name!r} starts from stage {names[i - 1]!r}'s final checkpoint, "
+                               f"but {prev} does not exist (or is incomplete): run that stage first")
+        return prev
+    if cfg.trainer.init_from:
+        p = Path(cfg.trainer.init_from)
+        if not RunDir.is_complete(p):
+            raise RuntimeError(f"trainer.init_from={p} is not a complete checkpoint (no trainer_state.json)")
+        return p
+    sft_final = run.final_dir("sft")
+    return sft_final if RunDir.is_complete(sft_final) else None
+
+
+def _load(ctx, ckpt: Path, stage_name: str, resume: bool) -> TrainerState:
+    ctx.policy.load_checkpoint(str(ckpt / "policy"))
+    state = RunDir.read_state(ckpt)
+    if not resume:  # a new stage: counters restart, the run-wide ones carry over
+        state = TrainerState(stage=stage_name, global_step=state.global_step,
+                             weight_version=state.weight_version, data_loader=state.data_loader,
+                             entropy_controller=state.entropy_controller)
+    return state
+
+
+def begin_stage(ctx, stage) -> tuple[TrainerState, PromptLoader | None]:
+    cfg, run = ctx.cfg, ctx.run
+    ckpt = run.latest_step_checkpoint(stage.name)
+    if ckpt is not None:
+        log.info("stage %s: resuming from %s", stage.name, ckpt)
+        state = _load(ctx, ckpt, stage.name, resume=True)
+    else:
+        src = start_point(ctx, stage.name)
+        log.info("stage %s: starting from %s", stage.name, src or f"the base model {ctx.model_path}")
+        state = _load(ctx, src, stage.name, resume=False) if src else TrainerState(stage=stage.name)
+    if stage.lr is not None:
+        ctx.policy.set_lr(stage.lr)
+    loader = None
+    if ctx.is_driver:
+        loader = PromptLoader(ctx.train_records, cfg.rollout.rollout_batch_size, seed=cfg.trainer.seed)
+        if state.data_loader:
+            loader.load_state_dict(state.data_loader)
+    if state.entropy_controller:
+        ctx.entropy_ctl.load_state_dict(state.entropy_controller)
+    restore_rng(state.rng)
+    if ckpt is not None or state.weight_version:
+        # The engine must hold the weights this stage starts from.
+        state.weight_version += 1
+        sync_weights(ctx, state.weight_version)
+    return state, loader
+
+
+def _write(ctx, ckpt: Path, state: TrainerState, loader) -> None:
+    ckpt.mkdir(parents=True, exist_ok=True)
+    ctx.policy.save_checkpoint(str(ckpt / "policy"))
+    if ctx.is_driver:
+        state.data_loader = loader.state_dict() if loader is not None else state.data_loader
+        state.entropy_controller = ctx.entropy_ctl.state_dict()
+        state.rng = capture_rng()
+        RunDir.write_state(ckpt, state)  # last: marks the checkpoint complete
+    ctx.barrier()
+
+
+def save_checkpoint(ctx, stage, state: TrainerState, loader) -> Path:
+    ckpt = ctx.run.step_dir(stage.name, state.step)
+    _write(ctx, ckpt, state, loader)
+    if ctx.is_driver:
+        ctx.run.prune(stage.name, ctx.cfg.trainer.keep_checkpoints)
+        log.info("stage %s: checkpoint %s", stage.name, ckpt)
+    return ckpt
+
+
+def export_hf(ctx, out_dir: Path) -> None:
+    """A Hugging Face checkpoint of the current policy (config and tokenizer from the base model)."""
+    from safetensors.torch import save_file
+
+    tensors = {name: t.contiguous().clone() for name, t in ctx.policy.export_hf_weights()}
+    if not ctx.is_driver:
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    src = Path(ctx.model_path)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin")) and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, out_dir / f.name)
+
+
+def finish_stage(ctx, stage, state: TrainerState, loader) -> Path:
+    final = ctx.run.final_dir(stage.name)
+    if final.exists() and ctx.is_driver:
+        shutil.rmtree(final)
+    ctx.barrier()
+    export_hf(ctx, final / "hf")
+    _write(ctx, final, state, loader)
+    if ctx.is_driver:
+        rs = ctx.run.read_run_state()
+        if stage.name not in rs["finished_stages"]:
+            rs["finished_stages"].append(stage.name)
+        ctx.run.write_run_state(rs)
+        shutil.rmtree(ctx.run.stage_dir(stage.name) / "checkpoints", ignore_errors=True)
+        log.info("stage %s: finished at step %d -> %s", stage.name, state.step, final)
+    return final

@@ -1,0 +1,36 @@
+"""Greedy held-out evaluation, and pushing the policy's weights into the engine."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.rewards import RewardItem
+from megatron_rl.rollout import SamplingSpec
+
+
+def sync_weights(ctx, version: int) -> dict:
+    """Trainer weights -> engine (every rank drains the collective export iterator)."""
+    m = ctx.weight_sync.sync(ctx.policy.export_hf_weights(), version)
+    return m.as_dict() if hasattr(m, "as_dict") else dict(m)
+
+
+def evaluate(ctx, max_tokens: int, records=None, prefix: str = "eval") -> dict:
+    """Greedy accuracy on the held-out set (driver only; other ranks return {})."""
+    if not ctx.is_driver:
+        return {}
+    records = ctx.eval_records if records is None else records
+    if not records:
+        return {}
+    spec = SamplingSpec(n=1, temperature=0.0, max_tokens=ctx.cfg.rollout.eval_max_tokens or max_tokens)
+    outs = [g[0] for g in ctx.engine.generate([r.prompt_ids for r in records], spec)]
+    items = [RewardItem(response=o.text, ground_truth=r.ground_truth, style=r.style,
+                        extra={"question": r.prompt_text}) for o, r in zip(outs, records)]
+    scores, _ = ctx.reward_mgr.score(items)
+    correct = torch.tensor(scores) >= ctx.cfg.algo.correct_reward
+    trunc = torch.tensor([o.truncated for o in outs])
+    return {
+        f"{prefix}/accuracy": correct.float().mean().item(),
+        f"{prefix}/truncation_ratio": trunc.float().mean().item(),
+        f"{prefix}/response_length_mean": sum(len(o.token_ids) for o in outs) / len(outs),
+        f"{prefix}/n": float(len(outs)),
+    }

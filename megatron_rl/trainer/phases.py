@@ -1,0 +1,134 @@
+"""The phases of one GRPO step, each a function the loop in ``grpo.py`` calls in order.
+
+generate -> score -> make_batch (filter groups, advantages) -> old log-probs -> update -> sync.
+The math lives in ``megatron_rl.algo``; this module only moves data between the components.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rl.algo import compute_advantages, filter_groups, policy_objective
+from megatron_rl.models.batch import MicroBatch, SequenceBatch
+from megatron_rl.rewards import RewardItem
+from megatron_rl.rollout import Completion, SamplingSpec
+
+
+@dataclass
+class Rollout:
+    """``len(records)`` prompts with ``group_size`` completions each, flattened group by group."""
+
+    records: list
+    completions: list[Completion]
+    group_ids: torch.Tensor  # [B*n] index of the prompt each completion answers
+    rewards: torch.Tensor | None = None
+    truncated: torch.Tensor | None = None
+
+
+def sampling_seed(run_seed: int, global_step: int) -> int:
+    """Per-step sampling seed: a resumed run samples exactly what the uninterrupted run sampled."""
+    return (run_seed * 1_000_003 + global_step * 7919) % (2**31 - 1)
+
+
+def generate(engine, records, cfg, max_response_len: int, seed: int) -> Rollout:
+    r = cfg.rollout
+    spec = SamplingSpec(n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                        max_tokens=max_response_len, seed=seed)
+    groups = engine.generate([rec.prompt_ids for rec in records], spec)
+    flat = [c for g in groups for c in g]
+    gids = torch.tensor([i for i, g in enumerate(groups) for _ in g], dtype=torch.long)
+    return Rollout(records=records, completions=flat, group_ids=gids,
+                   truncated=torch.tensor([c.truncated for c in flat], dtype=torch.bool))
+
+
+def score(reward_mgr, ro: Rollout) -> dict:
+    items = [RewardItem(response=c.text, ground_truth=ro.records[g].ground_truth,
+                        style=ro.records[g].style, extra={"question": ro.records[g].prompt_text})
+             for c, g in zip(ro.completions, ro.group_ids.tolist())]
+    scores, metrics = reward_mgr.score(items)
+    ro.rewards = torch.tensor(scores, dtype=torch.float32)
+    return metrics
+
+
+def rollout_metrics(ro: Rollout, correct_reward: float) -> dict:
+    lengths = torch.tensor([len(c.token_ids) for c in ro.completions], dtype=torch.float32)
+    correct = ro.rewards >= correct_reward
+    trunc = ro.truncated
+    non_trunc = ~trunc
+    return {
+        "rollout/accuracy": correct.float().mean().item(),
+        "rollout/accuracy_non_truncated": (correct & non_trunc).sum().item() / max(1, non_trunc.sum().item()),
+        "rollout/truncation_ratio": trunc.float().mean().item(),
+        "rollout/reward_mean": ro.rewards.mean().item(),
+        "rollout/response_length_mean": lengths.mean().item(),
+        "rollout/response_length_max": lengths.max().item(),
+        "rollout/response_length_min": lengths.min().item(),
+    }
+
+
+def make_batch(ro: Rollout, cfg) -> tuple[SequenceBatch | None, dict]:
+    """Filter zero-variance groups, compute advantages, and lay the rollout out for the policy."""
+    adv, m_adv = compute_advantages(ro.rewards, ro.group_ids, ro.truncated, cfg.algo)
+    keep, m_filter = filter_groups(ro.rewards, ro.group_ids, cfg.algo)
+    if not cfg.algo.filter_zero_variance_groups:
+        keep = torch.ones_like(keep)
+    idx = keep.nonzero().flatten().tolist()
+    metrics = {**m_adv, **m_filter, "batch/sequences": float(len(idx))}
+    if not idx:
+        return None, metrics
+    comps = [ro.completions[i] for i in idx]
+    recs = [ro.records[g] for g in ro.group_ids[idx].tolist()]
+    batch = SequenceBatch(
+        sequences=[list(r.prompt_ids) + list(c.token_ids) for r, c in zip(recs, comps)],
+        prompt_lens=[len(r.prompt_ids) for r in recs],
+        token_fields={"rollout_logp": [torch.tensor(c.logprobs, dtype=torch.float32) for c in comps]},
+        seq_fields={"advantages": adv[idx].float()},
+    )
+    metrics["batch/tokens"] = float(sum(len(c.token_ids) for c in comps))
+    return batch, metrics
+
+
+def sft_batch(records, tokenizer) -> SequenceBatch:
+    """Prompts + reference solutions (+ EOS), advantage 1: SFT through the GRPO objective (seed 002)."""
+    seqs, plens = [], []
+    for r in records:
+        sol = r.extra.get("solution") if isinstance(r.extra, dict) else None
+        if sol is None:
+            raise ValueError(f"SFT needs a reference solution (extra_info.solution) for prompt {r.uid!r}")
+        resp = tokenizer(sol, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        seqs.append(list(r.prompt_ids) + resp)
+        plens.append(len(r.prompt_ids))
+    return SequenceBatch(sequences=seqs, prompt_lens=plens, token_fields={},
+                         seq_fields={"advantages": torch.ones(len(seqs))})
+
+
+def split(batch: SequenceBatch, n: int) -> list[SequenceBatch]:
+    """``n`` mini-batches of (nearly) equal sequence counts, order kept."""
+    B = len(batch.sequences)
+    bounds = [round(i * B / n) for i in range(n + 1)]
+    out = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        out.append(SequenceBatch(
+            sequences=batch.sequences[lo:hi], prompt_lens=batch.prompt_lens[lo:hi],
+            token_fields={k: v[lo:hi] for k, v in batch.token_fields.items()},
+            seq_fields={k: v[lo:hi] for k, v in batch.seq_fields.items()}))
+    return [b for b in out if b.sequences]
+
+
+def make_loss_fn(batch: SequenceBatch, cfg, *, alpha: float, max_response_len: int | None):
+    """The per-micro-batch objective with the mini-batch's global denominators bound in."""
+    n_tokens = float(sum(len(s) - p for s, p in zip(batch.sequences, batch.prompt_lens)))
+    n_seqs = float(len(batch.sequences))
+
+    def loss_fn(mb: MicroBatch):
+        old = mb.fields.get("old_logp")
+        # Strictly on-policy without a recompute: the old policy IS the current one (ratio = 1).
+        old = mb.logp.detach() if old is None else old
+        return policy_objective(
+            mb.logp, old, mb.fields["advantages"], mb.mask, cfg.algo, entropy=mb.entropy, alpha=alpha,
+            rollout_logp=mb.fields.get("rollout_logp"), token_denominator=n_tokens,
+            seq_denominator=n_seqs, max_response_len=max_response_len)
+
+    return loss_fn

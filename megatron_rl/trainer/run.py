@@ -1,0 +1,82 @@
+"""A whole run: optional SFT cold start, then the GRPO stages, evaluations, summary and report."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from megatron_rl.trainer.context import REQUEUE_EXIT_CODE, build_context
+from megatron_rl.trainer.evaluate import evaluate
+from megatron_rl.trainer.grpo import train_stage
+from megatron_rl.trainer.sft import run_sft
+
+log = logging.getLogger("megatron_rl")
+
+
+def _record_eval(ctx, key: str, max_tokens: int) -> dict:
+    m = evaluate(ctx, max_tokens)
+    if ctx.is_driver and m:
+        rs = ctx.run.read_run_state()
+        rs.setdefault("eval", {})[key] = m
+        ctx.run.write_run_state(rs)
+        log.info("eval [%s]: accuracy %.3f on %d held-out problems", key, m["eval/accuracy"], int(m["eval/n"]))
+    return m
+
+
+def run(cfg, only_stage: str | None = None) -> int:
+    """Run the configured stages (or just ``only_stage``). Returns the process exit code."""
+    stages = [cfg.stage(only_stage)] if only_stage else list(cfg.stages)
+    ctx = build_context(cfg)
+    try:
+        first = stages[0].name == cfg.stages[0].name
+        if first and cfg.sft.enabled:
+            run_sft(ctx)
+        if first and not ctx.run.read_run_state().get("eval", {}).get("start"):
+            _record_eval(ctx, "start", cfg.stages[0].max_response_len)
+        for stage in stages:
+            if ctx.is_driver and stage.name in ctx.run.read_run_state()["finished_stages"]:
+                log.info("stage %s already finished; skipping", stage.name)
+                continue
+            train_stage(ctx, stage)
+            if ctx.stop_agreed():
+                log.warning("stopped on a signal; exit %d asks the scheduler to requeue", REQUEUE_EXIT_CODE)
+                return REQUEUE_EXIT_CODE
+            _record_eval(ctx, stage.name, stage.max_response_len)
+        if ctx.is_driver:
+            write_summary(ctx)
+        return 0
+    finally:
+        close(ctx)
+
+
+def write_summary(ctx) -> dict:
+    from megatron_rl.tracking.report import plot_run
+
+    rs = ctx.run.read_run_state()
+    ev = rs.get("eval", {})
+    stages = [s.name for s in ctx.cfg.stages if s.name in ev]
+    start = ev.get("start", {}).get("eval/accuracy")
+    end = ev[stages[-1]]["eval/accuracy"] if stages else None
+    summary = {
+        "accuracy_after_sft": start,
+        "accuracy_after_grpo": end,
+        "gain_points": None if start is None or end is None else 100.0 * (end - start),
+        "eval_problems": ev.get("start", {}).get("eval/n"),
+        "per_stage": {k: v for k, v in ev.items()},
+        "finished_stages": rs["finished_stages"],
+        "sft_steps": rs.get("sft_steps"),
+        "sft_seconds": rs.get("sft_seconds"),
+    }
+    (ctx.run.root / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot_run(ctx.run.root / "metrics.jsonl", ctx.run.root / "report.png")
+    ctx.tracker.summary({k: v for k, v in summary.items() if isinstance(v, (int, float))})
+    return summary
+
+
+def close(ctx) -> None:
+    for obj in (ctx.weight_sync, ctx.reward_mgr, ctx.tracker, ctx.engine):
+        if obj is not None:
+            try:
+                obj.close()
+            except Exception as exc:  # closing must never mask the run's own error
+                log.warning("close %s: %s", type(obj).__name__, exc)

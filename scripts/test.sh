@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Run the test suite with the project's virtualenv (scripts/bootstrap.sh must have run; `make test` does).
+set -euo pipefail
+here="$(cd "$(dirname "$0")/.." && pwd)"
+venv="${MEGATRON_RL_VENV:-$HOME/.cache/megatron-rl/venv}"
+cd "$here"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+export VLLM_ENABLE_V1_MULTIPROCESSING=0
+export WANDB_MODE=offline WANDB_SILENT=true
+export PYTHONWARNINGS="ignore::UserWarning,ignore::DeprecationWarning,ignore::FutureWarning"
+exec "$venv/bin/python" -m pytest -q -p no:cacheprovider --timeout=900 "$@" tests
