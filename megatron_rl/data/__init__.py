@@ -1,0 +1,12 @@
+"""Prompt data: verl-format datasets (jsonl / json / parquet), a resumable loader, difficulty labels.
+
+``synthetic`` holds the CPU demo's addition task; ``difficulty`` the data-cleaning labeller
+(``megatron-rl data difficulty``).
+"""
+
+from megatron_rl.data.config import DIFFICULTY_LABELS, DataConfig
+from megatron_rl.data.dataset import DataError, PromptRecord, load_prompts, read_rows
+from megatron_rl.data.loader import PromptLoader
+
+__all__ = ["DataConfig", "DataError", "PromptRecord", "PromptLoader", "load_prompts", "read_rows",
+           "DIFFICULTY_LABELS"]

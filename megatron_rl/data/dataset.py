@@ -1,0 +1,213 @@
+"""Prompt datasets: read jsonl / json / parquet rows (verl's format as is), template, tokenize, filter.
+
+A verl row::
+
+    {"data_source": "openai/gsm8k",
+     "prompt": [{"role": "user", "content": "..."}],
+     "ability": "math",
+     "reward_model": {"style": "rule", "ground_truth": "72"},
+     "extra_info": {"split": "train", "index": 0}}
+
+A malformed row raises :class:`DataError` naming the file and the row (1-based), or is skipped and
+counted with ``on_bad_row: skip``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from megatron_rl.data.config import DataConfig
+
+_MISSING = object()
+
+
+class DataError(ValueError):
+    """A dataset file or one of its rows is malformed."""
+
+
+@dataclass
+class PromptRecord:
+    prompt_ids: list[int]
+    prompt_text: str
+    ground_truth: Any
+    style: str
+    data_source: str
+    extra: dict = field(default_factory=dict)
+    uid: str = ""
+
+
+def read_rows(path: str | Path, max_rows: int = 0) -> Iterator[tuple[int, Any]]:
+    """``(row_number, row)`` for every row (1-based); a row that is not valid JSON raises DataError."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file")
+    suffix = path.suffix.lower()
+    n = 0
+    if suffix in (".jsonl", ".ndjson"):
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    yield lineno, DataError(f"{path}: row {lineno}: invalid JSON ({exc})")
+                    continue
+                yield lineno, row
+                n += 1
+                if max_rows and n >= max_rows:
+                    return
+    elif suffix == ".json":
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}: invalid JSON ({exc})") from None
+        if not isinstance(rows, list):
+            raise DataError(f"{path}: a .json dataset must hold a list of rows")
+        yield from list(enumerate(rows, 1))[: max_rows or None]
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(path)
+        rowno = 0
+        for batch in pf.iter_batches(batch_size=4096):
+            for row in batch.to_pylist():
+                rowno += 1
+                yield rowno, row
+                if max_rows and rowno >= max_rows:
+                    return
+    else:
+        raise DataError(f"{path}: unknown dataset format {suffix!r} (use .jsonl, .json or .parquet)")
+
+
+def get_path(row: dict, dotted: str, default: Any = _MISSING) -> Any:
+    """``row["a"]["b"]`` for ``"a.b"``; ``default`` (or KeyError) when a part is missing."""
+    cur: Any = row
+    for part in dotted.split("."):
+        if isinstance(cur, dict) and part in cur:
+            cur = cur[part]
+        else:
+            if default is _MISSING:
+                raise KeyError(dotted)
+            return default
+    return cur
+
+
+def _messages(prompt: Any, system_prompt: str) -> list[dict]:
+    if isinstance(prompt, str):
+        msgs = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, (list, tuple)) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt):
+        msgs = [{"role": m["role"], "content": m["content"]} for m in prompt]
+    else:
+        raise ValueError("prompt must be a string or a non-empty list of {role, content} messages")
+    if system_prompt and msgs[0]["role"] != "system":
+        msgs.insert(0, {"role": "system", "content": system_prompt})
+    return msgs
+
+
+def _use_template(tokenizer, mode: str) -> bool:
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if mode == "always" and not has:
+        raise DataError("data.chat_template is 'always' but the tokenizer has no chat template")
+    return has and mode != "never"
+
+
+def render_prompt(messages: list[dict], tokenizer, use_template: bool) -> str:
+    if use_template:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "\n".join(m["content"] for m in messages)
+
+
+def difficulty_passes(extra: dict, cfg: DataConfig) -> str | None:
+    """``None`` when the row passes the difficulty filter, else the stats key it is counted under."""
+    ann = extra.get("difficulty") if isinstance(extra, dict) else None
+    if not isinstance(ann, dict):
+        return "filtered_unannotated"
+    if cfg.keep_labels and ann.get("label") not in cfg.keep_labels:
+        return "filtered_label"
+    rate = ann.get("pass_rate")
+    if not isinstance(rate, (int, float)) or not cfg.pass_rate_min <= rate <= cfg.pass_rate_max:
+        return "filtered_pass_rate"
+    return None
+
+
+def load_prompts(path: str | Path, tokenizer, cfg: DataConfig | None = None,
+                 max_prompt_len: int | None = None) -> tuple[list[PromptRecord], dict]:
+    """Read, template, tokenize and filter a prompt dataset.
+
+    ``max_prompt_len`` overrides ``cfg.max_prompt_len`` (0 = no limit). Returns the records and
+    counts: rows, loaded, too_long, bad_rows (skipped), filtered_* (difficulty filter),
+    prompt_len_max / prompt_len_mean of the loaded prompts.
+    """
+    cfg = cfg or DataConfig()
+    cfg.validate()
+    limit = cfg.max_prompt_len if max_prompt_len is None else max_prompt_len
+    use_template = _use_template(tokenizer, cfg.chat_template)
+    stats = {"rows": 0, "loaded": 0, "too_long": 0, "bad_rows": 0, "filtered_label": 0,
+             "filtered_pass_rate": 0, "filtered_unannotated": 0}
+    pending: list[tuple[str, dict]] = []
+    name = Path(path).name
+    for rowno, row in read_rows(path, cfg.max_rows):
+        stats["rows"] += 1
+        try:
+            if isinstance(row, DataError):
+                raise row
+            if not isinstance(row, dict):
+                raise DataError(f"{path}: row {rowno}: expected an object, got {type(row).__name__}")
+            try:
+                msgs = _messages(get_path(row, cfg.prompt_key), cfg.system_prompt)
+                gt = get_path(row, cfg.ground_truth_key)
+            except KeyError as exc:
+                raise DataError(f"{path}: row {rowno}: missing field {exc.args[0]!r}") from None
+            except ValueError as exc:
+                raise DataError(f"{path}: row {rowno}: field {cfg.prompt_key!r}: {exc}") from None
+            if gt is None:
+                raise DataError(f"{path}: row {rowno}: {cfg.ground_truth_key!r} is null")
+            style = get_path(row, cfg.style_key, "") or ""
+            source = get_path(row, cfg.data_source_key, "") or ""
+            extra = get_path(row, cfg.extra_key, None) or {}
+            if not isinstance(style, str) or not isinstance(source, str) or not isinstance(extra, dict):
+                raise DataError(f"{path}: row {rowno}: style and data_source must be strings and "
+                                f"{cfg.extra_key!r} an object")
+            text = render_prompt(msgs, tokenizer, use_template)
+        except DataError:
+            if cfg.on_bad_row == "raise":
+                raise
+            stats["bad_rows"] += 1
+            continue
+        if cfg.filters_difficulty:
+            reason = difficulty_passes(extra, cfg)
+            if reason is not None:
+                stats[reason] += 1
+                continue
+        uid = str(extra.get("uid", f"{name}:{rowno}"))
+        rec = PromptRecord([], text, gt, style, source, extra, uid)
+        pending.append((text, rec))
+    records = _tokenize(pending, tokenizer, use_template)
+    kept = []
+    for rec in records:
+        if limit and len(rec.prompt_ids) > limit:
+            stats["too_long"] += 1
+        else:
+            kept.append(rec)
+    stats["loaded"] = len(kept)
+    lens = [len(r.prompt_ids) for r in kept]
+    stats["prompt_len_max"] = max(lens, default=0)
+    stats["prompt_len_mean"] = sum(lens) / len(lens) if lens else 0.0
+    return kept, stats
+
+
+def _tokenize(pending: list[tuple[str, PromptRecord]], tokenizer, use_template: bool,
+              chunk: int = 1024) -> list[PromptRecord]:
+    # A chat template already writes the special tokens it wants (BOS included).
+    for start in range(0, len(pending), chunk):
+        part = pending[start: start + chunk]
+        enc = tokenizer([t for t, _ in part], add_special_tokens=not use_template)["input_ids"]
+        for (_, rec), ids in zip(part, enc):
+            rec.prompt_ids = list(ids)
+    return [rec for _, rec in pending]

@@ -1,0 +1,143 @@
+"""Reward configuration: which verifier scores which data, its timeouts, the sandbox and the judge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_rl.config.base import ConfigBase
+
+
+@dataclass(kw_only=True)
+class MathConfig(ConfigBase):
+    # Hard wall-clock limit per response (seconds): past it the worker is killed, respawned, and the
+    # response scores a counted zero (reward/timeouts).
+    timeout_s: float = 10.0
+    # math-verify's own SIGALRM timeouts (whole seconds) for parsing and for comparing; they catch
+    # slow sympy code, the hard timeout above catches what SIGALRM cannot (a big-int power in C).
+    parse_timeout_s: int = 3
+    verify_timeout_s: int = 5
+    # Accept "96%" for a ground truth "96" (and the reverse) when the numbers are equal.
+    percent_equivalence: bool = True
+    # Accept pi (or a Chinese "圆周率") for a decimal ground truth that rounds pi at its own
+    # precision (3.14, 3.1416), and a decimal prediction that rounds pi when the ground truth is pi or
+    # such a decimal. Never a general "close enough" rule: 0.54 is not accepted for 0.5.
+    pi_tolerance: bool = True
+    # Fall back to the last number in the response when it has no \boxed{} answer.
+    fallback_last_number: bool = False
+
+    def validate(self) -> None:
+        super().validate()
+        self.check_range("timeout_s", lo=0.0, lo_open=True)
+        self.check_range("parse_timeout_s", lo=1)
+        self.check_range("verify_timeout_s", lo=1)
+
+
+@dataclass(kw_only=True)
+class SandboxConfig(ConfigBase):
+    # Wall-clock limit of one program run (seconds); the whole process tree is killed past it.
+    timeout_s: float = 5.0
+    # CPU seconds per process (RLIMIT_CPU).
+    cpu_s: int = 5
+    # Address space per process in MiB (RLIMIT_AS).
+    memory_mb: int = 512
+    # Processes the program may have at once (RLIMIT_NPROC, enforced under a private uid).
+    max_procs: int = 8
+    # Largest file the program may write, in MiB (RLIMIT_FSIZE; also bounds its captured output).
+    file_size_mb: int = 16
+    # Bytes of stdout/stderr kept for scoring.
+    max_output_bytes: int = 1 << 20
+    # Interpreter that runs the programs; "" finds python3 on /usr/local/bin:/usr/bin:/bin. It must be
+    # readable by the sandbox uid (a venv under /root is not).
+    python: str = ""
+    # Refuse to run at all when the network cannot be cut off (no `unshare` namespace available).
+    # When false, programs run without network isolation and a warning is logged once.
+    require_isolation: bool = True
+    # When running as root, programs run under a private uid drawn from
+    # [uid_base, uid_base + uid_span), so RLIMIT_NPROC counts only that run's processes.
+    uid_base: int = 200_000
+    uid_span: int = 100_000
+    # Parent directory of the per-run working directories ("" = the system temp dir).
+    work_root: str = ""
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("timeout_s",):
+            self.check_range(name, lo=0.0, lo_open=True)
+        for name in ("cpu_s", "memory_mb", "max_procs", "file_size_mb", "max_output_bytes",
+                     "uid_span"):
+            self.check_range(name, lo=1)
+        self.check_range("uid_base", lo=1000)
+
+
+@dataclass(kw_only=True)
+class CodeConfig(ConfigBase):
+    # "pass_rate": fraction of test cases passed; "all_pass": 1 only when every case passes.
+    mode: str = "pass_rate"
+    # Hard wall-clock limit for all test cases of one response; past it the pool worker is killed.
+    timeout_s: float = 60.0
+    # Stop at the first failing case (only meaningful with mode "all_pass").
+    stop_on_first_failure: bool = True
+    # At most this many test cases run per response (the rest are skipped and count as failed).
+    max_cases: int = 64
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.mode not in ("pass_rate", "all_pass"):
+            self.fail("mode", f"must be 'pass_rate' or 'all_pass', got {self.mode!r}")
+        self.check_range("timeout_s", lo=0.0, lo_open=True)
+        self.check_range("max_cases", lo=1)
+
+
+@dataclass(kw_only=True)
+class JudgeConfig(ConfigBase):
+    # "off"; "fallback": ask the judge only when the rule verifier says wrong/unparsable;
+    # "main": the judge decides for every response of the judged styles.
+    mode: str = "off"
+    # OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1 (a vLLM server).
+    base_url: str = ""
+    model: str = ""
+    # Name of an environment variable holding the API key ("" = no Authorization header).
+    api_key_env: str = ""
+    # Seconds per HTTP request; a timed-out request is a counted zero (no flip in fallback mode).
+    timeout_s: float = 30.0
+    # Concurrent requests.
+    max_concurrency: int = 8
+    # Tokens the judge may write.
+    max_tokens: int = 256
+    # Styles the judge applies to (by resolved style name).
+    styles: list[str] = field(default_factory=lambda: ["math"])
+
+    def validate(self) -> None:
+        super().validate()
+        if self.mode not in ("off", "fallback", "main"):
+            self.fail("mode", f"must be 'off', 'fallback' or 'main', got {self.mode!r}")
+        if self.mode != "off" and not self.base_url:
+            self.fail("base_url", "is required when judge.mode is not 'off'")
+        self.check_range("timeout_s", lo=0.0, lo_open=True)
+        self.check_range("max_concurrency", lo=1)
+        self.check_range("max_tokens", lo=1)
+
+
+@dataclass(kw_only=True)
+class RewardConfig(ConfigBase):
+    # Processes in the verifier pool (math and code run there; exact_boxed runs in-process).
+    num_workers: int = 2
+    # Address-space limit of each pool worker in MiB (0 = none): a runaway expression fails there.
+    worker_memory_mb: int = 4096
+    # Seconds a freshly started worker may take to import its verifiers and report ready.
+    worker_start_timeout_s: float = 120.0
+    # Map a data style or data_source to a registered style, e.g. {"rule": "math",
+    # "codecontests": "code"}. The item's style is looked up first, then its data_source.
+    style_map: dict[str, str] = field(default_factory=dict)
+    # Style used when neither the item's style nor its data_source is known ("" = error).
+    default_style: str = ""
+    math: MathConfig = field(default_factory=MathConfig)
+    code: CodeConfig = field(default_factory=CodeConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+
+    def validate(self) -> None:
+        super().validate()
+        self.check_range("num_workers", lo=1)
+        self.check_range("worker_memory_mb", lo=0)
+        self.check_range("worker_start_timeout_s", lo=0.0, lo_open=True)

@@ -1,0 +1,152 @@
+"""RewardManager: score a batch of responses by style; a bad sample is a counted zero, never a crash.
+
+In-process styles (``exact_boxed``) run inline; pooled styles (``math``, ``code``) run in a
+:class:`HardTimeoutPool` started lazily on first use; the judge (``llm_judge`` style, or
+``judge.mode`` main/fallback for ``judge.styles``) runs as concurrent HTTP requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, defaultdict
+
+from megatron_rl.rewards.base import (CORRECT, ERROR, TIMEOUT, UNPARSABLE, Outcome, RewardItem,
+                                      get_style, registered_styles)
+from megatron_rl.rewards.config import RewardConfig
+from megatron_rl.rewards.judge import judge_batch
+from megatron_rl.rewards.pool import HardTimeoutPool
+
+log = logging.getLogger(__name__)
+
+
+class RewardManager:
+    def __init__(self, cfg: RewardConfig):
+        cfg.validate()
+        self.cfg = cfg
+        self._pool: HardTimeoutPool | None = None
+        for alias, target in cfg.style_map.items():
+            get_style(target)  # raises, listing the registered styles, for a bad map
+        if cfg.default_style:
+            get_style(cfg.default_style)
+
+    # -- style resolution -------------------------------------------------------------------------
+    def resolve_style(self, style: str, data_source: str = "") -> str:
+        """The registered style for a data style / data_source; raises KeyError when none fits."""
+        known = set(registered_styles())
+        for key in (style, data_source):
+            if key in known:
+                return key
+            if key in self.cfg.style_map:
+                return self.cfg.style_map[key]
+        if self.cfg.default_style:
+            return self.cfg.default_style
+        raise KeyError(f"no reward style for style={style!r} data_source={data_source!r}; "
+                       f"registered: {sorted(known)}; map more with reward.style_map")
+
+    # -- scoring ----------------------------------------------------------------------------------
+    def _pool_for_use(self) -> HardTimeoutPool:
+        if self._pool is None:
+            modules = sorted({get_style(s).fn.__module__ for s in registered_styles()
+                              if get_style(s).pooled})
+            self._pool = HardTimeoutPool(self.cfg.num_workers, preload=tuple(modules),
+                                         memory_mb=self.cfg.worker_memory_mb,
+                                         start_timeout_s=self.cfg.worker_start_timeout_s)
+        return self._pool
+
+    def score(self, items: list[RewardItem], return_details: bool = False):
+        """``(scores, metrics)`` or, with ``return_details``, ``(scores, metrics, details)``."""
+        t0 = time.perf_counter()
+        styles = [self.resolve_style(it.style, it.extra.get("data_source", "")) for it in items]
+        outcomes: list[Outcome | None] = [None] * len(items)
+        jcfg = self.cfg.judge
+        judged_main = [i for i, s in enumerate(styles)
+                       if s == "llm_judge" or (jcfg.mode == "main" and s in jcfg.styles)]
+        main_set = set(judged_main)
+
+        pooled, tasks = [], []
+        for i, (item, s) in enumerate(zip(items, styles)):
+            if i in main_set:
+                continue
+            style = get_style(s)
+            if style.pooled:
+                timeout = getattr(self.cfg, style.timeout_section).timeout_s
+                pooled.append(i)
+                tasks.append((style.fn, (item, self.cfg), timeout))
+            else:
+                try:
+                    outcomes[i] = style.fn(item, self.cfg)
+                except Exception as exc:  # a per-sample fault is a counted zero
+                    outcomes[i] = Outcome(0.0, ERROR, detail=f"{type(exc).__name__}: {exc}")
+        restarts_before = self._pool.restarts if self._pool else 0
+        if tasks:
+            pool = self._pool_for_use()
+            for i, res in zip(pooled, pool.run(tasks)):
+                if res.status == "ok":
+                    outcomes[i] = res.value
+                elif res.status == "timeout":
+                    outcomes[i] = Outcome(0.0, TIMEOUT, detail=res.error)
+                else:
+                    outcomes[i] = Outcome(0.0, ERROR, detail=res.error)
+
+        judge_calls, flips = 0, 0
+        if judged_main:
+            for i, out in zip(judged_main, judge_batch([items[i] for i in judged_main], jcfg)):
+                outcomes[i] = out
+            judge_calls += len(judged_main)
+        if jcfg.mode == "fallback":
+            retry = [i for i, s in enumerate(styles)
+                     if s in jcfg.styles and i not in main_set and outcomes[i].status != CORRECT]
+            for i, out in zip(retry, judge_batch([items[i] for i in retry], jcfg)):
+                outcomes[i].detail = (outcomes[i].detail + f" judge:{out.status}").strip()
+                if out.status == CORRECT:
+                    outcomes[i] = Outcome(1.0, CORRECT, outcomes[i].extracted, "judge_fallback")
+                    flips += 1
+            judge_calls += len(retry)
+
+        scores = [float(o.score) for o in outcomes]
+        counts = Counter(o.status for o in outcomes)
+        n = max(len(items), 1)
+        metrics = {
+            "reward/mean": sum(scores) / n,
+            "reward/count": float(len(items)),
+            "reward/time_s": time.perf_counter() - t0,
+            "reward/timeouts": float(counts[TIMEOUT]),
+            "reward/errors": float(counts[ERROR]),
+            "reward/unparsable": float(counts[UNPARSABLE]),
+            "reward/judge_calls": float(judge_calls),
+            "reward/judge_flips": float(flips),
+            "reward/worker_restarts": float((self._pool.restarts if self._pool else 0)
+                                            - restarts_before),
+        }
+        per_style = defaultdict(list)
+        for s, sc in zip(styles, scores):
+            per_style[s].append(sc)
+        for s, vals in per_style.items():
+            metrics[f"reward/{s}/mean"] = sum(vals) / len(vals)
+        bad = counts[TIMEOUT] + counts[ERROR]
+        if bad:
+            first = next(o for o in outcomes if o.status in (TIMEOUT, ERROR))
+            log.warning("rewards: %d timeouts, %d errors of %d (first: %s)", counts[TIMEOUT],
+                        counts[ERROR], len(items), first.detail[:300])
+        if not return_details:
+            return scores, metrics
+        details = [dict(o.as_dict(), style=s) for o, s in zip(outcomes, styles)]
+        return scores, metrics, details
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

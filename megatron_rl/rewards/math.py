@@ -1,0 +1,143 @@
+"""Math rewards: ``exact_boxed`` (in-process string match) and ``math`` (math-verify in the pool).
+
+Verdicts on seed 002's traps (tested in ``tests/unit/rewards/test_math.py``):
+
+* *4.5 tickets* (a ticket costs 2, how many for 9? the label says 4.5): a response ``\\boxed{4}`` is
+  scored **wrong** against the label ``4.5``, and ``\\boxed{4.5 \\text{ tickets}}`` **correct**. The
+  reward judges against the label; a wrong label is the data cleaner's job
+  (``megatron_rl.data.difficulty`` flags it as ``suspected_wrong_label``).
+* *96 vs 96%*: label ``96``, response ``96\\%`` is **correct** (same number with a percent sign;
+  math-verify agrees, and our own rule keeps it so across versions); ``0.96`` against ``96`` is
+  **wrong** (another number), ``96\\%`` against ``0.96`` is **correct** (equal values).
+* *π vs 3.14*: label ``3.14``, response ``\\pi`` or ``3.1415926`` is **correct**: the label is π
+  rounded (or cut) at its own precision (2 decimals). Label ``\\pi``, response ``3.14159`` is **correct**.
+  Only π-related values get this tolerance, and only at >= 2 decimals: ``\\frac{\\pi}{6}`` against
+  ``0.5`` and ``0.54`` against ``0.5`` stay **wrong**. Plain math-verify says wrong to all of these.
+* *3 real roots vs 7 roots*: label ``1, 2, 3``, response ``1, 2, 3, i, -i`` is **wrong**: a superset
+  rule would reward padding answers with junk. Again a wrong label, caught by data cleaning.
+"""
+
+from __future__ import annotations
+
+import re
+
+from megatron_rl.rewards.base import (CORRECT, UNPARSABLE, WRONG, Outcome, RewardItem,
+                                      register_reward)
+from megatron_rl.rewards.extract import extract_answer, last_boxed, normalize_ws
+
+_PLAIN_NUMBER = re.compile(r"^[+-]?(\d+)(?:\.(\d+))?$")
+_PERCENT = re.compile(r"(\\?%|\\text\{\s*percent\s*\}|percent)$")
+_PI_WORDS = ("圆周率",)
+_PI = 3.141592653589793
+
+
+@register_reward("exact_boxed")
+def exact_boxed(item: RewardItem, cfg=None) -> Outcome:
+    """1 when the last ``\\boxed{}`` equals the ground truth after removing all whitespace."""
+    answer = last_boxed(item.response)
+    if answer is None:
+        return Outcome(0.0, UNPARSABLE)
+    ok = normalize_ws(answer) == normalize_ws(str(item.ground_truth))
+    return Outcome(1.0 if ok else 0.0, CORRECT if ok else WRONG, answer)
+
+
+def _plain_decimal(s: str) -> tuple[float, int] | None:
+    """``(value, decimals)`` when ``s`` is a plain decimal number like ``-3.14``, else ``None``."""
+    m = _PLAIN_NUMBER.match(normalize_ws(s).replace("{,}", "").replace(",", ""))
+    if not m:
+        return None
+    return float(m.group(0)), len(m.group(2) or "")
+
+
+def _strip_percent(s: str) -> tuple[str, bool]:
+    t = normalize_ws(s).rstrip(".")
+    m = _PERCENT.search(t)
+    return (t[: m.start()], True) if m else (t, False)
+
+
+def _percent_equal(gold: str, pred: str) -> bool:
+    """'96' vs '96%' (either side): the same number, one side with a percent sign."""
+    g, g_pct = _strip_percent(gold)
+    p, p_pct = _strip_percent(pred)
+    if g_pct == p_pct:
+        return False
+    gv, pv = _plain_decimal(g), _plain_decimal(p)
+    return gv is not None and pv is not None and gv[0] == pv[0]
+
+
+def _rounds_to(value: float, decimal: tuple[float, int]) -> bool:
+    """``decimal`` (value, n decimals) is ``value`` rounded or truncated at n >= 2 decimals."""
+    target, places = decimal
+    if places < 2:
+        return False
+    scale = 10**places
+    want = round(abs(target) * scale)
+    return (value < 0) == (target < 0) and want in (round(abs(value) * scale),
+                                                     int(abs(value) * scale))
+
+
+def _pi_value(parsed) -> float | None:
+    """Numeric value of a parsed expression that involves π and no free symbols, else ``None``."""
+    import sympy
+
+    for expr in parsed:
+        if isinstance(expr, sympy.Basic) and expr.has(sympy.pi) and not expr.free_symbols:
+            try:
+                return float(expr.evalf())
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
+def _pi_equal(gold: str, pred: str, gold_parsed, pred_parsed) -> bool:
+    """π vs a decimal rounding of it, in either direction, or two roundings of π."""
+    g_dec, p_dec = _plain_decimal(gold), _plain_decimal(pred)
+    if g_dec is not None and p_dec is None:
+        v = _pi_value(pred_parsed)
+        return v is not None and _rounds_to(v, g_dec)
+    if p_dec is not None and g_dec is None:
+        v = _pi_value(gold_parsed)
+        return v is not None and _rounds_to(v, p_dec)
+    if g_dec is not None and p_dec is not None:
+        # 3.1415926 for 3.14: both round π, the prediction at least as precisely as the label
+        return (_rounds_to(_PI, g_dec) and _rounds_to(_PI, p_dec) and p_dec[1] >= g_dec[1])
+    return False
+
+
+def _latex(s: str) -> str:
+    for word in _PI_WORDS:
+        s = s.replace(word, "\\pi")
+    s = s.strip()
+    return s if s.startswith("$") or "\\boxed" in s else f"${s}$"
+
+
+def warmup() -> None:
+    """Called once by each pool worker: the first math-verify call loads its grammar (~1 s)."""
+    from math_verify import parse, verify
+
+    verify(parse("$1$"), parse("$\\frac{2}{2}$"))
+
+
+@register_reward("math", pooled=True, timeout_section="math")
+def math_reward(item: RewardItem, cfg) -> Outcome:
+    """math-verify on the extracted answer, plus the percent and π rules (see the module doc)."""
+    from math_verify import parse, verify
+
+    mcfg = cfg.math
+    answer = extract_answer(item.response, fallback_last_number=mcfg.fallback_last_number)
+    if answer is None or not answer.strip():
+        return Outcome(0.0, UNPARSABLE)
+    gold = str(item.ground_truth)
+    gold_parsed = parse(_latex(gold), parsing_timeout=mcfg.parse_timeout_s)
+    pred_parsed = parse(_latex(answer), parsing_timeout=mcfg.parse_timeout_s)
+    if not pred_parsed:
+        if mcfg.percent_equivalence and _percent_equal(gold, answer):
+            return Outcome(1.0, CORRECT, answer, "percent")
+        return Outcome(0.0, UNPARSABLE, answer)
+    if gold_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=mcfg.verify_timeout_s):
+        return Outcome(1.0, CORRECT, answer)
+    if mcfg.percent_equivalence and _percent_equal(gold, answer):
+        return Outcome(1.0, CORRECT, answer, "percent")
+    if mcfg.pi_tolerance and _pi_equal(gold, _latex(answer).strip("$"), gold_parsed, pred_parsed):
+        return Outcome(1.0, CORRECT, answer, "pi")
+    return Outcome(0.0, WRONG, answer)

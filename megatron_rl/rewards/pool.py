@@ -1,0 +1,186 @@
+"""A process pool with a hard per-task timeout: a stuck worker is killed and replaced.
+
+``concurrent.futures`` cannot cancel a running task, and math-verify's SIGALRM cannot interrupt C
+code (``9^{9^{9}}`` spends minutes inside one big-int power holding the GIL). Here every task has a
+deadline; past it the worker gets SIGKILL, a fresh one is spawned, and the task reports ``timeout``.
+A worker that dies (segfault, OOM kill) reports ``error`` for its task and is replaced too.
+
+Workers are spawned (never forked from a trainer holding threads and CUDA state); each imports the
+modules that define the task functions once, calls their ``warmup()`` if they have one, then
+reports ready; task deadlines start only when a ready worker receives the task.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing as mp
+import os
+import resource
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_any
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TaskResult:
+    status: str  # "ok" | "timeout" | "error"
+    value: Any = None
+    error: str = ""
+
+
+def _resolve(module: str, name: str) -> Callable:
+    return getattr(importlib.import_module(module), name)
+
+
+def _worker_main(conn, preload: tuple[str, ...], memory_mb: int) -> None:
+    if memory_mb > 0:
+        limit = memory_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    for module in preload:
+        warmup = getattr(importlib.import_module(module), "warmup", None)
+        if callable(warmup):  # pay first-call costs (grammar loading, imports) before any deadline
+            warmup()
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        task_id, module, name, args = msg
+        try:
+            value = _resolve(module, name)(*args)
+            conn.send((task_id, "ok", value))
+        except BaseException as exc:  # a task's failure is a result, never the worker's death
+            conn.send((task_id, "error", f"{type(exc).__name__}: {exc}"[:2000]))
+
+
+class _Worker:
+    def __init__(self, ctx, preload, memory_mb):
+        parent, child = ctx.Pipe()
+        self.conn = parent
+        self.proc = ctx.Process(target=_worker_main, args=(child, preload, memory_mb), daemon=True)
+        self.proc.start()
+        child.close()
+        self.started = time.monotonic()
+        self.ready = False
+        self.task: int | None = None
+        self.deadline = 0.0
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+
+class HardTimeoutPool:
+    """``run(tasks)`` executes ``fn(*args)`` for each ``(fn, args, timeout_s)`` and never hangs.
+
+    ``fn`` must be a module-level function. Results come back in task order.
+    """
+
+    def __init__(self, num_workers: int, preload: tuple[str, ...] = (), memory_mb: int = 0,
+                 start_timeout_s: float = 120.0):
+        self._ctx = mp.get_context("spawn")
+        self._preload = tuple(preload)
+        self._memory_mb = memory_mb
+        self._start_timeout_s = start_timeout_s
+        self._workers = [self._spawn() for _ in range(num_workers)]
+        self.restarts = 0
+        self._closed = False
+
+    def _spawn(self) -> _Worker:
+        return _Worker(self._ctx, self._preload, self._memory_mb)
+
+    def _replace(self, i: int) -> None:
+        self._workers[i].kill()
+        self._workers[i] = self._spawn()
+        self.restarts += 1
+
+    def run(self, tasks: list[tuple[Callable, tuple, float]]) -> list[TaskResult]:
+        if self._closed:
+            raise RuntimeError("pool is closed")
+        results: list[TaskResult | None] = [None] * len(tasks)
+        pending = list(range(len(tasks)))[::-1]  # pop() takes the next in order
+        done = 0
+        while done < len(tasks):
+            now = time.monotonic()
+            for i, w in enumerate(self._workers):
+                if w.ready and w.task is None and pending:
+                    t = pending.pop()
+                    fn, args, timeout_s = tasks[t]
+                    try:
+                        w.conn.send((t, fn.__module__, fn.__qualname__, args))
+                    except (BrokenPipeError, OSError):
+                        pending.append(t)
+                        self._replace(i)
+                        continue
+                    w.task, w.deadline = t, now + timeout_s
+            busy = [w for w in self._workers if w.task is not None or not w.ready]
+            deadlines = [w.deadline for w in busy if w.task is not None]
+            deadlines += [w.started + self._start_timeout_s for w in busy if not w.ready]
+            wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else 0.1
+            ready_conns = wait_any([w.conn for w in busy], timeout=wait_s)
+            for i, w in enumerate(self._workers):
+                if w.conn in ready_conns:
+                    try:
+                        msg = w.conn.recv()
+                    except (EOFError, OSError):
+                        msg = None
+                    if msg is None:  # the worker died
+                        if not w.ready:
+                            code = w.proc.exitcode
+                            w.kill()
+                            raise RuntimeError(f"reward worker failed to start (exit code {code}); "
+                                               f"preloaded modules: {self._preload}")
+                        t = w.task
+                        results[t] = TaskResult("error", error=f"worker died (exit {w.proc.exitcode})")
+                        done += 1
+                        log.warning("reward worker died on task %d; respawning", t)
+                        self._replace(i)
+                    elif msg[0] == "ready":
+                        w.ready = True
+                    else:
+                        t, status, value = msg
+                        results[t] = TaskResult(status, value if status == "ok" else None,
+                                                "" if status == "ok" else value)
+                        w.task = None
+                        done += 1
+            now = time.monotonic()
+            for i, w in enumerate(self._workers):
+                if w.task is not None and now > w.deadline:
+                    results[w.task] = TaskResult("timeout", error="hard timeout: worker killed")
+                    done += 1
+                    log.warning("reward task %d passed its hard timeout; killing worker %d",
+                                w.task, w.proc.pid)
+                    self._replace(i)
+                elif not w.ready and now > w.started + self._start_timeout_s:
+                    w.kill()
+                    raise RuntimeError(f"reward worker did not start within "
+                                       f"{self._start_timeout_s}s")
+        return results  # type: ignore[return-value]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for w in self._workers:
+            try:
+                w.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for w in self._workers:
+            w.proc.join(timeout=2)
+            w.kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
