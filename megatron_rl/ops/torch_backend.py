@@ -63,7 +63,7 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, local_labels: torc
     want_t = out.t is not None
     for n0 in range(0, n_tok, chunk_tokens):
         n1 = min(n0 + chunk_tokens, n_tok)
-        h = _f32(hidden[n0:n1])
+        h = hidden[n0:n1].float() * inv_temp  # fold 1/T into the small operand
         labels = local_labels[n0:n1]
         out_label[n0:n1].zero_()
         acc = SoftmaxStats(out.m[n0:n1], out.s[n0:n1], out.t[n0:n1] if want_t else None)
@@ -71,14 +71,14 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, local_labels: torc
             v1 = min(v0 + chunk_vocab, n_voc)
             z, e = tiles.views(n1 - n0, v1 - v0)
             torch.mm(h, _f32(weight[v0:v1]).t(), out=z)
-            z.mul_(inv_temp)
             rows, cols = _label_cols(labels, v0, v1)
             out_label[n0:n1].index_copy_(0, rows, z[rows, cols])
             m = z.amax(dim=1)
             z.sub_(m[:, None])
             torch.exp(z, out=e)
             s = e.sum(dim=1)
-            t = e.mul_(z).sum(dim=1) if want_t else None
+            # row-wise dot of e and z as a batched matmul: reads both, writes nothing big
+            t = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1) if want_t else None
             if v0 == 0:
                 acc.m.copy_(m)
                 acc.s.copy_(s)
@@ -98,27 +98,30 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, local_labels: torch.Ten
     shard's contribution: the caller sums it over vocab-parallel ranks."""
     n_tok, n_voc = hidden.shape[0], weight.shape[0]
     tiles = _Tiles(chunk_tokens, chunk_vocab, hidden.device, n_tok, n_voc)
+    # dL/d(raw logit) = inv_temp * dz; with p = exp(z - lse):
+    #   inv_temp * dz = p * (a * z + b) + inv_temp * g_logp * onehot(label)
+    #   a = -inv_temp * g_ent,  b = inv_temp * (g_ent * E[z] - g_logp)
+    gl_scaled = g_logp * inv_temp
+    if g_ent is not None:
+        a = (-inv_temp * g_ent)[:, None]
+        b = (inv_temp * (g_ent * mean_z - g_logp))[:, None]
     for v0 in range(0, n_voc, chunk_vocab):
         v1 = min(v0 + chunk_vocab, n_voc)
         w = _f32(weight[v0:v1])
         for n0 in range(0, n_tok, chunk_tokens):
             n1 = min(n0 + chunk_tokens, n_tok)
             h = _f32(hidden[n0:n1])
-            gl = g_logp[n0:n1, None]
             z, g = tiles.views(n1 - n0, v1 - v0)
-            torch.mm(h, w.t(), out=z)
-            z.mul_(inv_temp)
+            torch.mm(h * inv_temp, w.t(), out=z)
             torch.sub(z, lse[n0:n1, None], out=g)
             g.exp_()  # p
             if g_ent is not None:
-                # g = p * (g_ent * (E[z] - z) - g_logp)
-                z.sub_(mean_z[n0:n1, None]).mul_(-g_ent[n0:n1, None]).sub_(gl)
+                torch.addcmul(b[n0:n1], z, a[n0:n1], out=z)
                 g.mul_(z)
             else:
-                g.mul_(-gl)
+                g.mul_(-gl_scaled[n0:n1, None])
             rows, cols = _label_cols(local_labels[n0:n1], v0, v1)
-            g[rows, cols] += g_logp[n0:n1][rows]
-            g.mul_(inv_temp)
+            g[rows, cols] += gl_scaled[n0:n1][rows]
             if grad_hidden is not None:
                 if v0 == 0:
                     torch.mm(g, w, out=grad_hidden[n0:n1])
