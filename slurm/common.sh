@@ -1,0 +1,169 @@
+# shellcheck shell=bash
+# Shared body of slurm/stage{1_8k,2_16k,3_32k}.sh: one stage of the recipe in one Slurm job.
+#
+# What a job does
+#   1. resolves the checkout, the config, the run directory and which stage to run;
+#   2. splits the allocation: trainer nodes (all, or all but ROLLOUT_NODES when the rollout engines
+#      get dedicated nodes); MASTER_ADDR = first trainer host of `scontrol show hostnames`;
+#   3. `srun` one task per trainer node (optionally inside a pyxis container); each task runs
+#      slurm/node_launch.sh, which starts `torchrun -m megatron_rl.cli train` (c10d rendezvous on
+#      MASTER_ADDR:MASTER_PORT, so no per-node rank is needed) or, with LAUNCHER=direct, one
+#      `python -m megatron_rl.cli train` process (world size 1: the CPU miniature);
+#   4. traps USR1 (sent by Slurm `--signal=B:USR1@N` before the time limit, or by
+#      `scancel --signal=USR1 --batch JOB`) and TERM (preemption) and forwards USR1 to the trainer
+#      processes, which finish the current step, checkpoint and exit 99; the job then runs
+#      `scontrol requeue $SLURM_JOB_ID`, and the requeued job resumes from that checkpoint.
+#
+# Settings (environment; all optional):
+#   CONFIG            recipe config (default: the stage script's; relative paths: to the checkout)
+#   STAGE             stage name to run (default: the STAGE_INDEX-th entry of the config's stages)
+#   RUN_DIR           run directory shared by the stages (default: runs/<config dir>, relative to
+#                     the directory sbatch was called from)
+#   MODEL_PATH        Hugging Face checkpoint of the base model (sets model.path)
+#   INIT_FROM         start the first stage from this checkpoint (sets trainer.init_from)
+#   OVERRIDES         more `key.sub=value` config overrides, space separated
+#   LAUNCHER          torchrun (default) | direct (one process per node, no torchrun)
+#   NPROC_PER_NODE    trainer processes per node (default: GPUs per node of the job, else 1)
+#   MASTER_PORT       rendezvous port (default: 20000 + job id mod 20000)
+#   VENV              virtualenv to activate on every node (default: none; the caller's PATH)
+#   CONTAINER         pyxis/enroot image for `srun --container-image` (default: none)
+#   CONTAINER_MOUNTS  `--container-mounts` (default: the checkout and the run dir's parent)
+#   ROLLOUT_PLACEMENT colocated (default: engines share the trainer's GPUs) | dedicated
+#   ROLLOUT_NODES     nodes given to the rollout engines when dedicated (default 1)
+#   MAX_REQUEUES      stop requeueing after this many restarts (default 50)
+#   MEGATRON_RL_HOME  the checkout (default: the one this file is in)
+#   DRY_RUN=1         print the srun command instead of running it (no Slurm needed)
+
+mrl_log() { echo "[megatron-rl $(date +%H:%M:%S)] $*" >&2; }
+
+mrl_home() {  # the checkout this file belongs to (the stage scripts source it from there)
+  if [ -n "${MEGATRON_RL_HOME:-}" ]; then echo "$MEGATRON_RL_HOME"; return; fi
+  (cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+}
+
+mrl_abs() {  # mrl_abs PATH BASE: PATH made absolute against BASE
+  case "$1" in /*) echo "$1" ;; *) echo "$2/$1" ;; esac
+}
+
+mrl_python() {  # a Python that can import megatron_rl (the venv's when VENV is set)
+  if [ -n "${VENV:-}" ]; then echo "$VENV/bin/python"; else command -v python || command -v python3; fi
+}
+
+mrl_stage_name() {  # mrl_stage_name CONFIG INDEX: name of the INDEX-th (1-based) stage of CONFIG
+  "$(mrl_python)" - "$1" "$2" <<'EOF'
+import sys
+from megatron_rl.config.loader import load_yaml_tree
+stages = load_yaml_tree(sys.argv[1]).get("stages") or []
+i = int(sys.argv[2])
+if not 1 <= i <= len(stages):
+    sys.exit(f"{sys.argv[1]}: has {len(stages)} stages, no stage number {i}")
+print(stages[i - 1]["name"])
+EOF
+}
+
+mrl_main() {
+  : "${STAGE_INDEX:?the stage script sets STAGE_INDEX}" "${DEFAULT_CONFIG:?the stage script sets DEFAULT_CONFIG}"
+  local home submit config run_dir stage
+  home="$(mrl_home)"
+  submit="${SLURM_SUBMIT_DIR:-$PWD}"
+  config="$(mrl_abs "${CONFIG:-$DEFAULT_CONFIG}" "$home")"
+  [ -f "$config" ] || { mrl_log "CONFIG not found: $config"; return 2; }
+  run_dir="$(mrl_abs "${RUN_DIR:-runs/$(basename "$(dirname "$config")")}" "$submit")"
+  stage="${STAGE:-$(mrl_stage_name "$config" "$STAGE_INDEX")}" || return 2
+
+  # --- nodes: trainer hosts and (optionally) dedicated rollout hosts -----------------------------
+  local hosts=() train_hosts rollout_hosts=() n_rollout=0
+  if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
+    mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+  else
+    hosts=("$(hostname -s)")
+  fi
+  case "${ROLLOUT_PLACEMENT:-colocated}" in
+    colocated) ;;
+    dedicated)
+      n_rollout="${ROLLOUT_NODES:-1}"
+      if [ "$n_rollout" -ge "${#hosts[@]}" ]; then
+        mrl_log "ROLLOUT_NODES=$n_rollout leaves no trainer node out of ${#hosts[@]}"; return 2
+      fi ;;
+    *) mrl_log "ROLLOUT_PLACEMENT must be colocated or dedicated, got '$ROLLOUT_PLACEMENT'"; return 2 ;;
+  esac
+  local n_train=$(( ${#hosts[@]} - n_rollout ))
+  train_hosts=("${hosts[@]:0:$n_train}")
+  rollout_hosts=("${hosts[@]:$n_train}")
+  export MASTER_ADDR="${MASTER_ADDR:-${train_hosts[0]}}"
+  export MASTER_PORT="${MASTER_PORT:-$(( 20000 + ${SLURM_JOB_ID:-0} % 20000 ))}"
+  local nproc="${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}"
+
+  # --- the trainer command ------------------------------------------------------------------------
+  local train_args=(train --config "$config" --run-dir "$run_dir" --stage "$stage")
+  [ -n "${MODEL_PATH:-}" ] && train_args+=("model.path=$MODEL_PATH")
+  [ -n "${INIT_FROM:-}" ] && train_args+=("trainer.init_from=$INIT_FROM")
+  if [ "$n_rollout" -gt 0 ]; then
+    MRL_ROLLOUT_HOSTS="$(IFS=,; echo "${rollout_hosts[*]}")"
+    export MRL_ROLLOUT_HOSTS   # the hosts reserved for the engines, for the trainer's engine launcher
+    train_args+=("rollout.engine=vllm_remote" "sync.master_addr=$MASTER_ADDR")
+  fi
+  # shellcheck disable=SC2206  # OVERRIDES is a space-separated list by design
+  [ -n "${OVERRIDES:-}" ] && train_args+=(${OVERRIDES})
+  local node_cmd
+  case "${LAUNCHER:-torchrun}" in
+    torchrun)
+      node_cmd=(torchrun --nnodes="$n_train" --nproc-per-node="$nproc"
+                --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
+                --rdzv-id="mrl-${SLURM_JOB_ID:-local}-${SLURM_RESTART_COUNT:-0}"
+                --max-restarts=0 -m megatron_rl.cli "${train_args[@]}") ;;
+    direct)
+      if [ "$n_train" -ne 1 ]; then mrl_log "LAUNCHER=direct runs one process: use one node"; return 2; fi
+      node_cmd=(python -m megatron_rl.cli "${train_args[@]}") ;;
+    *) mrl_log "LAUNCHER must be torchrun or direct, got '$LAUNCHER'"; return 2 ;;
+  esac
+
+  # One task per node that gets all the CPUs the job holds there (torchrun and its workers share them).
+  local srun_cmd=(srun --nodes="$n_train" --ntasks="$n_train" --ntasks-per-node=1 --kill-on-bad-exit=1)
+  [ -n "${SLURM_CPUS_ON_NODE:-}" ] && srun_cmd+=(--cpus-per-task="$SLURM_CPUS_ON_NODE")
+  [ -n "${SLURM_JOB_ID:-}" ] && srun_cmd+=(--nodelist="$(IFS=,; echo "${train_hosts[*]}")")
+  if [ -n "${CONTAINER:-}" ]; then
+    srun_cmd+=(--container-image="$CONTAINER"
+               --container-mounts="${CONTAINER_MOUNTS:-$home:$home,$(dirname "$run_dir"):$(dirname "$run_dir")}"
+               --container-workdir="$home")
+  fi
+  local full=("${srun_cmd[@]}" bash "$home/slurm/node_launch.sh" "${node_cmd[@]}")
+
+  mrl_log "job ${SLURM_JOB_ID:-none} (restart ${SLURM_RESTART_COUNT:-0}): stage '$stage' of $config"
+  mrl_log "run dir $run_dir; trainer nodes ${train_hosts[*]} x $nproc; rollout: ${ROLLOUT_PLACEMENT:-colocated} ${rollout_hosts[*]}"
+  if [ "${DRY_RUN:-0}" = 1 ]; then printf '%q ' "${full[@]}"; echo; return 0; fi
+  mkdir -p "$run_dir"
+  export VENV="${VENV:-}" LAUNCHER="${LAUNCHER:-torchrun}"
+  cd "$home" || return 2
+
+  # --- run, forwarding USR1/TERM, and requeue when the trainer checkpointed on a signal -----------
+  local child rc signalled=0 interrupted=0
+  _mrl_forward() {
+    interrupted=1; signalled=1
+    mrl_log "got $1: asking the trainer to checkpoint and exit"
+    kill -USR1 "$child" 2>/dev/null || true   # srun forwards USR1 to the node_launch.sh tasks
+  }
+  trap '_mrl_forward USR1' USR1
+  trap '_mrl_forward TERM' TERM
+  "${full[@]}" &
+  child=$!
+  while :; do
+    interrupted=0
+    wait "$child"; rc=$?
+    [ "$interrupted" = 1 ] || break   # a trapped signal interrupted the wait: wait again
+  done
+  trap - USR1 TERM
+  mrl_log "trainer exited with $rc"
+  if [ "$rc" = 99 ] || { [ "$signalled" = 1 ] && [ "$rc" != 0 ]; }; then
+    if [ -z "${SLURM_JOB_ID:-}" ]; then return 99; fi
+    if [ "${SLURM_RESTART_COUNT:-0}" -ge "${MAX_REQUEUES:-50}" ]; then
+      mrl_log "checkpointed, but already requeued ${SLURM_RESTART_COUNT} times (MAX_REQUEUES): not requeueing"
+      return 99
+    fi
+    mrl_log "checkpointed: requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+    sleep 60 & wait $!   # Slurm ends this incarnation of the job now
+    return 99
+  fi
+  return "$rc"
+}

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Submit the whole Skywork-OR1 recipe: stage 1 (8k), stage 2 (16k), stage 3 (32k), each a job that
+# starts only after the previous one completed successfully (--dependency=afterok). All stages
+# share one run directory; each finds the previous stage's final checkpoint there.
+#
+#   slurm/submit_recipe.sh                       # 7B, 4 nodes x 8 GPUs
+#   SIZE=32b NODES=8 slurm/submit_recipe.sh      # 32B
+#   FIRST_STAGE=2 slurm/submit_recipe.sh         # stage 1 already done
+#   AFTER=12345 slurm/submit_recipe.sh           # the first job waits for job 12345 too
+#
+# Settings (environment): SIZE (7b|32b, default 7b), CONFIG_DIR (default configs/skywork_or1/$SIZE),
+# RUN_DIR (default runs/skywork_or1_$SIZE), NODES, GPUS_PER_NODE, TIME, PARTITION, ACCOUNT,
+# EXCLUSIVE (1: --exclusive, default 1), SBATCH_EXTRA (more sbatch flags), FIRST_STAGE, LAST_STAGE,
+# AFTER; everything slurm/common.sh reads (CONTAINER, VENV, ROLLOUT_PLACEMENT, ...) passes through.
+# Prints one job id per line.
+set -euo pipefail
+home="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+size="${SIZE:-7b}"
+config_dir="${CONFIG_DIR:-configs/skywork_or1/$size}"
+case "$config_dir" in /*) ;; *) config_dir="$home/$config_dir" ;; esac
+run_dir="${RUN_DIR:-runs/skywork_or1_$size}"
+case "$run_dir" in /*) ;; *) run_dir="$PWD/$run_dir" ;; esac
+scripts=("" stage1_8k.sh stage2_16k.sh stage3_32k.sh)
+
+flags=()
+[ -n "${NODES:-}" ] && flags+=(--nodes="$NODES")
+[ -n "${GPUS_PER_NODE:-}" ] && flags+=(--gpus-per-node="$GPUS_PER_NODE")
+[ -n "${TIME:-}" ] && flags+=(--time="$TIME")
+[ -n "${PARTITION:-}" ] && flags+=(--partition="$PARTITION")
+[ -n "${ACCOUNT:-}" ] && flags+=(--account="$ACCOUNT")
+[ "${EXCLUSIVE:-1}" = 1 ] && flags+=(--exclusive)
+# shellcheck disable=SC2206  # SBATCH_EXTRA is a space-separated flag list by design
+[ -n "${SBATCH_EXTRA:-}" ] && flags+=(${SBATCH_EXTRA})
+
+dep="${AFTER:-}"
+for ((i = ${FIRST_STAGE:-1}; i <= ${LAST_STAGE:-3}; i++)); do
+  config="$config_dir/stage$i.yaml"
+  [ -f "$config" ] || { echo "submit_recipe: no config $config" >&2; exit 2; }
+  job_flags=("${flags[@]}" --parsable --export="ALL,CONFIG=$config,RUN_DIR=$run_dir,MEGATRON_RL_HOME=$home")
+  [ -n "$dep" ] && job_flags+=(--dependency="afterok:$dep" --kill-on-invalid-dep=yes)
+  dep="$(sbatch "${job_flags[@]}" "$home/slurm/${scripts[$i]}")"
+  dep="${dep%%;*}"
+  echo "$dep"
+done
