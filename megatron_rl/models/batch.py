@@ -1,0 +1,128 @@
+"""Batches the policy consumes, and their split over data-parallel ranks and micro-batches.
+
+A :class:`SequenceBatch` is B sequences (prompt + response token ids) with per-response-token and
+per-sequence fields. :func:`shard_for_dp` splits it over data-parallel ranks balancing tokens;
+:func:`pack_micro_batches` bin-packs one rank's sequences under a token budget (dynamic batch size:
+many short sequences or few long ones per micro-batch). A loss function sees a :class:`MicroBatch`,
+padded over RESPONSE positions only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+
+import torch
+
+
+@dataclasses.dataclass
+class SequenceBatch:
+    """B sequences, each = prompt + response token ids."""
+
+    sequences: list[list[int]]
+    prompt_lens: list[int]
+    # per sequence, one value per RESPONSE token (len(sequence) - prompt_len values)
+    token_fields: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+    # one value per sequence, shape [B]
+    seq_fields: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def response_lens(self) -> list[int]:
+        return [len(s) - p for s, p in zip(self.sequences, self.prompt_lens)]
+
+    def check(self) -> None:
+        """Raise ValueError naming the field and row of any inconsistency."""
+        n = len(self.sequences)
+        if len(self.prompt_lens) != n:
+            raise ValueError(f"SequenceBatch: {len(self.prompt_lens)} prompt_lens for {n} sequences")
+        for i, (seq, p) in enumerate(zip(self.sequences, self.prompt_lens)):
+            if not 1 <= p <= len(seq):
+                raise ValueError(f"SequenceBatch row {i}: prompt_len {p} must be in [1, "
+                                 f"len(sequence)={len(seq)}]")
+        lens = self.response_lens
+        for key, values in self.token_fields.items():
+            if len(values) != n:
+                raise ValueError(f"SequenceBatch token_fields[{key!r}]: {len(values)} rows for {n} "
+                                 f"sequences")
+            for i, v in enumerate(values):
+                if tuple(v.shape) != (lens[i],):
+                    raise ValueError(f"SequenceBatch token_fields[{key!r}] row {i}: shape "
+                                     f"{tuple(v.shape)}, expected ({lens[i]},) (response tokens)")
+        for key, v in self.seq_fields.items():
+            if tuple(v.shape) != (n,):
+                raise ValueError(f"SequenceBatch seq_fields[{key!r}]: shape {tuple(v.shape)}, "
+                                 f"expected ({n},)")
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """What a loss function sees, padded over RESPONSE positions."""
+
+    logp: torch.Tensor  # [b, T] log-prob of each response token at the temperature (grad in training)
+    entropy: torch.Tensor | None  # [b, T] full-distribution entropy at the temperature
+    mask: torch.Tensor  # [b, T] bool, valid response tokens
+    fields: dict[str, torch.Tensor]  # token_fields padded to [b, T] (0 outside mask); seq_fields [b]
+    index: torch.Tensor  # [b] positions of these sequences in the SequenceBatch
+
+
+def shard_for_dp(lengths: list[int], dp: int) -> list[list[int]]:
+    """Split sequence indices over ``dp`` ranks, balancing total tokens (longest first onto the
+    lightest rank). Every rank gets at least one sequence when there are at least ``dp``."""
+    if len(lengths) < dp:
+        raise ValueError(f"{len(lengths)} sequences cannot be split over {dp} data-parallel ranks")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    heap = [(0, 0, r) for r in range(dp)]  # (tokens, sequences, rank)
+    shards: list[list[int]] = [[] for _ in range(dp)]
+    for i in order:
+        tokens, count, r = heapq.heappop(heap)
+        shards[r].append(i)
+        heapq.heappush(heap, (tokens + lengths[i], count + 1, r))
+    return shards
+
+
+def pack_micro_batches(lengths: list[int], indices: list[int], token_budget: int,
+                       multiple_of: int = 1) -> list[list[int]]:
+    """Group ``indices`` into micro-batches whose padded size (count x longest) fits the budget.
+
+    Sequences are taken longest first, so each micro-batch holds sequences of similar length; one
+    longer than the budget gets a micro-batch of its own. With ``multiple_of`` > 1 the largest
+    micro-batches are split until the count is a multiple of it where the sequences allow (the
+    interleaved pipeline schedule wants a multiple of the pipeline size).
+    """
+    order = sorted(indices, key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= token_budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    while len(batches) % multiple_of:
+        big = max(range(len(batches)), key=lambda k: len(batches[k]))
+        if len(batches[big]) < 2:
+            break
+        half = len(batches[big]) // 2
+        batches[big:big + 1] = [batches[big][:half], batches[big][half:]]
+    return batches
+
+
+def pad_token_fields(batch: SequenceBatch, index: list[int], width: int) -> dict[str, torch.Tensor]:
+    """The micro-batch's fields: token fields padded to ``[b, width]`` (0 outside the response),
+    sequence fields as ``[b]``."""
+    out = {}
+    for key, values in batch.token_fields.items():
+        rows = [values[i] for i in index]
+        dtype = rows[0].dtype if rows else torch.float32
+        padded = torch.zeros(len(index), width, dtype=dtype)
+        for r, v in enumerate(rows):
+            padded[r, : v.shape[0]] = v
+        out[key] = padded
+    idx = torch.tensor(index, dtype=torch.long)
+    for key, v in batch.seq_fields.items():
+        out[key] = v[idx]
+    return out

@@ -1,0 +1,122 @@
+"""Configuration of the Megatron policy: parallel layout, optimizer and schedule, micro-batching."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from megatron_rl.config.base import ConfigBase
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParallelConfig(ConfigBase):
+    """How the policy is split over the trainer's ranks; data parallel = world size / (TP x PP)."""
+
+    # Tensor-parallel size: attention heads, MLP and vocabulary split across this many ranks.
+    tensor_parallel: int = 1
+    # Pipeline-parallel size: transformer layers split into this many stages.
+    pipeline_parallel: int = 1
+    # Virtual pipeline stages (model chunks) per pipeline rank for the interleaved 1F1B schedule;
+    # None = plain 1F1B. Needs pipeline_parallel > 1.
+    virtual_pipeline: int | None = None
+    # Sequence parallelism (shards LayerNorm/dropout activations over the TP group); needs TP > 1.
+    sequence_parallel: bool = False
+    # Shard the optimizer state over the data-parallel ranks (Megatron's distributed optimizer).
+    use_distributed_optimizer: bool = False
+    # Seconds any collective may wait before the run fails with a timeout instead of hanging.
+    timeout_s: float = 600.0
+
+    def validate(self) -> None:
+        super().validate()
+        self.check_range("tensor_parallel", lo=1)
+        self.check_range("pipeline_parallel", lo=1)
+        self.check_range("timeout_s", lo=0.0, lo_open=True)
+        if self.virtual_pipeline is not None:
+            self.check_range("virtual_pipeline", lo=1)
+            if self.pipeline_parallel < 2 and self.virtual_pipeline > 1:
+                self.fail("virtual_pipeline", f"needs pipeline_parallel > 1, got pipeline_parallel="
+                          f"{self.pipeline_parallel}")
+        if self.sequence_parallel and self.tensor_parallel < 2:
+            self.fail("sequence_parallel", f"needs tensor_parallel > 1, got tensor_parallel="
+                      f"{self.tensor_parallel}")
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that hold one copy of the model (TP x PP)."""
+        return self.tensor_parallel * self.pipeline_parallel
+
+    @property
+    def vpp(self) -> int:
+        """Model chunks per pipeline rank (1 without the interleaved schedule)."""
+        return self.virtual_pipeline or 1
+
+
+@dataclasses.dataclass(kw_only=True)
+class OptimConfig(ConfigBase):
+    """AdamW with Megatron's gradient clipping and learning-rate schedule."""
+
+    # Peak learning rate (after warm-up).
+    lr: float = 1e-6
+    # Floor of the decayed learning rate.
+    min_lr: float = 0.0
+    # Decoupled (AdamW) weight decay; norms and biases are not decayed.
+    weight_decay: float = 0.0
+    # Adam beta1.
+    adam_beta1: float = 0.9
+    # Adam beta2.
+    adam_beta2: float = 0.999
+    # Adam epsilon.
+    adam_eps: float = 1e-8
+    # Clip the global gradient norm to this value; 0 disables clipping.
+    clip_grad: float = 1.0
+    # Optimizer steps of linear warm-up from 0 to lr.
+    lr_warmup_steps: int = 0
+    # Shape of the decay after warm-up.
+    lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
+    # Optimizer steps over which lr decays to min_lr (after which it stays there); None = constant
+    # style only.
+    lr_decay_steps: int | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        self.check_range("lr", lo=0.0)
+        self.check_range("min_lr", lo=0.0)
+        if self.min_lr > self.lr:
+            self.fail("min_lr", f"must be <= lr ({self.lr}), got {self.min_lr}")
+        self.check_range("weight_decay", lo=0.0)
+        self.check_range("adam_beta1", lo=0.0, hi=1.0)
+        self.check_range("adam_beta2", lo=0.0, hi=1.0)
+        self.check_range("adam_eps", lo=0.0, lo_open=True)
+        self.check_range("clip_grad", lo=0.0)
+        self.check_range("lr_warmup_steps", lo=0)
+        if self.lr_decay_style != "constant":
+            if self.lr_decay_steps is None:
+                self.fail("lr_decay_steps", f"is required with lr_decay_style="
+                          f"{self.lr_decay_style!r}")
+            self.check_range("lr_decay_steps", lo=1)
+            if self.lr_decay_steps <= self.lr_warmup_steps:
+                self.fail("lr_decay_steps", f"must be > lr_warmup_steps ({self.lr_warmup_steps}), "
+                          f"got {self.lr_decay_steps}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class PolicyConfig(ConfigBase):
+    """The Megatron-Core policy: layout, optimizer, micro-batching, precision, seed."""
+
+    _section = "policy"
+
+    # Parallel layout.
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    # Optimizer and learning-rate schedule.
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    # Token budget of one micro-batch (padded size: sequences x longest sequence); sequences are
+    # bin-packed under it, a longer sequence gets a micro-batch of its own.
+    micro_batch_tokens: int = 8192
+    # Parameter dtype; bf16 keeps fp32 master weights in the optimizer.
+    params_dtype: Literal["fp32", "bf16"] = "fp32"
+    # Seed of Megatron's model-parallel RNG (dropout, initialisation of anything not loaded).
+    seed: int = 1234
+
+    def validate(self) -> None:
+        super().validate()
+        self.check_range("micro_batch_tokens", lo=1)

@@ -1,0 +1,199 @@
+"""The one interface to Megatron-Core's global parallel state.
+
+:func:`init_distributed` starts (or joins) the torch.distributed world, applies the CPU shim, checks
+the layout, initialises Megatron's ``parallel_state`` and model-parallel RNG, and returns a
+:class:`ParallelGroups` holding the process groups explicitly. Everything else in the project takes
+a ``ParallelGroups`` and never touches ``megatron.core.parallel_state``.
+
+Works under torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` in the environment) and in a plain
+process (a one-rank world on a private file store). Calling it again with another layout tears the
+old Megatron groups down and builds new ones (so a test can build several policies in one process);
+a :class:`ParallelGroups` from before then reports itself stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.compat import apply_cpu_shim
+from megatron_rl.config.base import ConfigError
+from megatron_rl.models.config import ParallelConfig
+
+_GENERATION = {"value": 0, "layout": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The model dimensions a layout must divide (from the HF config)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ParallelGroups:
+    """Process groups and ranks of one layout; pass it around instead of using global state."""
+
+    world_size: int
+    rank: int
+    tp: int
+    pp: int
+    dp: int
+    vpp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    # Global ranks of this rank's pipeline (stage order) and tensor-parallel group.
+    pp_ranks: tuple[int, ...]
+    tp_ranks: tuple[int, ...]
+    backend: str
+    device: torch.device
+    timeout_s: float
+    generation: int
+    sequence_parallel: bool = False
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def check_current(self) -> None:
+        """Raise if Megatron's groups were rebuilt for another layout since these were made."""
+        if self.generation != _GENERATION["value"]:
+            raise RuntimeError(
+                f"these ParallelGroups (TP={self.tp}, PP={self.pp}, DP={self.dp}) are stale: "
+                f"init_distributed was called again with layout {_GENERATION['layout']}")
+
+
+def check_layout(cfg: ParallelConfig, world_size: int, shape: ModelShape | None = None) -> int:
+    """Check that the layout fits the world and the model; return the data-parallel size.
+
+    Raises :class:`ConfigError` naming the config key and the offending values.
+    """
+    cfg.validate()
+    tp, pp = cfg.tensor_parallel, cfg.pipeline_parallel
+    if tp * pp > world_size:
+        cfg.fail("tensor_parallel", f"tensor_parallel ({tp}) x pipeline_parallel ({pp}) = {tp * pp}"
+                 f" ranks needed but only {world_size} processes are running")
+    if world_size % (tp * pp):
+        cfg.fail("tensor_parallel", f"tensor_parallel ({tp}) x pipeline_parallel ({pp}) = {tp * pp}"
+                 f" does not divide the world size {world_size}")
+    if shape is not None:
+        if shape.num_heads % tp:
+            cfg.fail("tensor_parallel", f"num_attention_heads ({shape.num_heads}) is not divisible "
+                     f"by tensor_parallel ({tp})")
+        if shape.num_kv_heads % tp:
+            cfg.fail("tensor_parallel", f"num_key_value_heads ({shape.num_kv_heads}) is not "
+                     f"divisible by tensor_parallel ({tp})")
+        stages = pp * cfg.vpp
+        if shape.num_layers % stages:
+            name = "virtual_pipeline" if cfg.vpp > 1 else "pipeline_parallel"
+            cfg.fail(name, f"num_hidden_layers ({shape.num_layers}) is not divisible by "
+                     f"pipeline_parallel ({pp}) x virtual_pipeline ({cfg.vpp}) = {stages}")
+    return world_size // (tp * pp)
+
+
+def _world_from_env() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _start_world(backend: str, timeout: datetime.timedelta) -> None:
+    rank, world = _world_from_env()
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        return
+    if world != 1:
+        raise RuntimeError(f"WORLD_SIZE={world} but MASTER_ADDR/MASTER_PORT are not set: launch "
+                           f"with torchrun")
+    fd, path = tempfile.mkstemp(prefix="megatron_rl_store_")
+    os.close(fd)
+    os.unlink(path)  # FileStore creates it; the one-rank world needs no rendezvous address
+    store = dist.FileStore(path, 1)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+
+
+def init_distributed(cfg: ParallelConfig, timeout_s: float | None = None,
+                     shape: ModelShape | None = None, seed: int = 1234) -> ParallelGroups:
+    """Start or join the world, initialise Megatron's parallel state and RNG for ``cfg``.
+
+    ``shape`` (optional) lets the layout be checked against the model before anything is built;
+    :meth:`MegatronPolicy.from_hf` checks it again. ``seed`` seeds Megatron's model-parallel RNG.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    timeout_s = cfg.timeout_s if timeout_s is None else timeout_s
+    shim = apply_cpu_shim()
+    backend = "gloo" if shim else "nccl"
+    world_rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() \
+        else _world_from_env()
+    dp = check_layout(cfg, world_size, shape)  # before any group or model exists
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if not shim:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        _start_world(backend, timeout)
+        world_rank = dist.get_rank()
+    else:
+        backend = dist.get_backend()
+
+    layout = (cfg.tensor_parallel, cfg.pipeline_parallel, cfg.virtual_pipeline)
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tensor_parallel,
+        pipeline_model_parallel_size=cfg.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline if cfg.vpp > 1 else None,
+        distributed_timeout_minutes=max(1, int(-(-timeout_s // 60))),
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    _GENERATION["value"] += 1
+    _GENERATION["layout"] = dict(zip(("tensor_parallel", "pipeline_parallel", "virtual_pipeline"),
+                                     layout))
+    return ParallelGroups(
+        world_size=world_size, rank=world_rank,
+        tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, dp=dp, vpp=cfg.vpp,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        pp_ranks=tuple(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())),
+        tp_ranks=tuple(dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())),
+        backend=backend,
+        device=torch.device("cpu") if shim else torch.device("cuda", torch.cuda.current_device()),
+        timeout_s=timeout_s,
+        generation=_GENERATION["value"],
+        sequence_parallel=cfg.sequence_parallel,
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's groups and the torch.distributed world (end of a run or a test)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _GENERATION["value"] += 1
+    _GENERATION["layout"] = None
+
+
+__all__ = ["ConfigError", "ModelShape", "ParallelGroups", "check_layout", "destroy_distributed",
+           "init_distributed"]

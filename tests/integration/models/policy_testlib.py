@@ -1,0 +1,107 @@
+"""Shared by the policy tests (in-process and torchrun workers): tiny HF models written with
+transformers, batches, a test loss, and the float64 transformers reference for all of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 61  # deliberately not a multiple of 2: exercises vocabulary padding at TP=2
+
+
+def write_hf_model(out_dir: str | Path, arch: str, *, tie: bool = False, vocab: int = VOCAB,
+                   layers: int = 4, heads: int = 4, kv_heads: int = 2, hidden: int = 32,
+                   seed: int = 0) -> Path:
+    """A tiny random fp32 HF checkpoint; norms and biases perturbed so that they matter."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=48,
+                  num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, max_position_embeddings=128, rms_norm_eps=1e-6,
+                  tie_word_embeddings=tie)
+    if arch == "llama":
+        cfg = LlamaConfig(**common, rope_theta=5e5)
+    elif arch == "qwen2":
+        cfg = Qwen2Config(**common, rope_theta=1e6)
+    elif arch == "qwen3":
+        cfg = Qwen3Config(**common, head_dim=16)  # head_dim != hidden / heads
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+            else:
+                p.mul_(3.0)  # sharper distributions than the 0.02 init
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    return out
+
+
+def make_batch(lengths: list[int], prompt_lens: list[int], vocab: int = VOCAB, seed: int = 0):
+    """A SequenceBatch with an advantage per response token and a weight per sequence."""
+    from megatron_rl.models import SequenceBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+    adv = [torch.randn(n - p, generator=gen) for n, p in zip(lengths, prompt_lens)]
+    weight = torch.rand(len(lengths), generator=gen) + 0.5
+    return SequenceBatch(sequences=seqs, prompt_lens=list(prompt_lens),
+                         token_fields={"adv": adv}, seq_fields={"w": weight})
+
+
+ENT_COEF = 0.05
+
+
+def make_loss_fn(batch, denominator: float | None = None):
+    """-sum(w * adv * logp) / D - c * sum(entropy) / D over valid tokens; D = all response tokens
+    of the whole batch (a global denominator, as the trainer passes)."""
+    denom = float(denominator or sum(batch.response_lens))
+
+    def loss_fn(mb):
+        m = mb.mask.to(mb.logp.dtype)
+        pg = -(mb.fields["w"][:, None] * mb.fields["adv"] * mb.logp * m).sum() / denom
+        ent = (mb.entropy * m).sum() / denom
+        loss = pg - ENT_COEF * ent
+        valid = mb.logp[mb.mask]
+        return loss, {"loss": loss.item(), "tokens": float(mb.mask.sum()),
+                      "logp_min": valid.min().item(), "logp_max": valid.max().item()}
+
+    return loss_fn
+
+
+def hf_reference(hf_dir: str | Path, batch, temperature: float, grads: bool = True):
+    """float64 transformers: per-sequence response log-probs and entropies, the summed test loss
+    and its gradient per HF parameter name."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64)
+    model.eval()
+    denom = float(sum(batch.response_lens))
+    logps, ents, total = [], [], 0.0
+    model.zero_grad()
+    for i, (seq, p) in enumerate(zip(batch.sequences, batch.prompt_lens)):
+        logits = model(torch.tensor([seq])).logits[0] / temperature
+        logsm = torch.log_softmax(logits, dim=-1)[p - 1: len(seq) - 1]
+        lp = logsm.gather(1, torch.tensor(seq[p:])[:, None])[:, 0]
+        ent = -(logsm.exp() * logsm).sum(-1)
+        loss = (-(batch.seq_fields["w"][i].double() * batch.token_fields["adv"][i].double() * lp)
+                .sum() - ENT_COEF * ent.sum()) / denom
+        if grads:
+            loss.backward()
+        total += float(loss)
+        logps.append(lp.detach())
+        ents.append(ent.detach())
+    g = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    if model.config.tie_word_embeddings:
+        g.pop("lm_head.weight", None)
+    return logps, ents, total, g
+
+
+def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x.double() - y.double()).abs().max()) if x.numel() else 0.0
+               for x, y in zip(a, b))
