@@ -134,7 +134,8 @@ class RemoteEngine(RolloutEngine):
 
     def __init__(self, model_path: str, cfg: RolloutConfig, *, seed: int = 0,
                  max_model_len: int | None = None, name: str = "engine0",
-                 env: dict[str, str] | None = None, start_timeout_s: float = 300.0):
+                 env: dict[str, str] | None = None, start_timeout_s: float = 300.0,
+                 wait: bool = True):
         cfg.validate()
         self.cfg, self.name, self.weight_version = cfg, name, 0
         # Ranks this engine takes in a sync group: one per vLLM worker.
@@ -147,7 +148,16 @@ class RemoteEngine(RolloutEngine):
         self._proc.start()
         child.close()
         self._pending: Pending | None = Pending(self, "start")
-        self.pid = self._pending.result(start_timeout_s)
+        self.pid = self._proc.pid
+        self._start_timeout_s = start_timeout_s
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout_s: float | None = None) -> "RemoteEngine":
+        """Block until the engine has started (``wait=False`` lets several engines boot at once)."""
+        if self._pending is not None and self._pending.cmd == "start":
+            self._pending.result(timeout_s or self._start_timeout_s)
+        return self
 
     # -- plumbing
     @property

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_rl.rollout.remote import EngineDied
 from megatron_rl.sync import engine_side
 from megatron_rl.sync.base import (NamedTensors, SyncError, SyncMetrics, SyncTimeout, WeightSync,
                                    compare_checksums)
@@ -58,7 +59,8 @@ class CollectiveWeightSync(WeightSync):
         for engine in self.engines:
             pending.append((engine, engine.submit(
                 "rpc", engine_side.join_group,
-                (cfg.master_addr, self._store.port, offset, world, self.backend, cfg.timeout_s))))
+                (cfg.master_addr, self._store.port, offset, world, self.backend, cfg.timeout_s),
+                drain_timeout_s=cfg.timeout_s)))
             offset += engine.workers
         try:
             self.group = make_group(self.backend, cfg.master_addr, self._store.port, 0, world,
@@ -81,7 +83,8 @@ class CollectiveWeightSync(WeightSync):
         for engine in self.engines:
             if getattr(engine, "alive", True):
                 try:
-                    engine.submit("rpc", engine_side.leave_group, ()).result(self.config.timeout_s)
+                    engine.submit("rpc", engine_side.leave_group, (),
+                                  drain_timeout_s=self.config.timeout_s).result(self.config.timeout_s)
                 except Exception:  # noqa: BLE001 - best effort; join_group also leaves first
                     pass
 
@@ -110,8 +113,8 @@ class CollectiveWeightSync(WeightSync):
         cfg = self.config
         t0 = time.perf_counter()
         self.connect()
-        pending = [(e, e.submit("rpc", engine_side.receive_weights, (cfg.verify, cfg.timeout_s)))
-                   for e in self.engines]
+        pending = [(e, e.submit("rpc", engine_side.receive_weights, (cfg.verify, cfg.timeout_s),
+                             drain_timeout_s=cfg.timeout_s)) for e in self.engines]
 
         def check() -> None:
             self._raise_engine_failures(pending)
@@ -134,14 +137,16 @@ class CollectiveWeightSync(WeightSync):
             wait_works(in_flight[0] + in_flight[1] + end, time.monotonic() + cfg.timeout_s, check)
             replies = [(e, p.result(cfg.timeout_s)) for e, p in pending]
         except TimeoutError as exc:
-            self._fail(pending)
+            faults = self._engine_faults(pending)
+            self._fail()
             raise SyncTimeout(f"weight sync v{version}: {exc} within sync.timeout_s="
-                              f"{cfg.timeout_s}s; engines: {self._liveness()}") from exc
+                              f"{cfg.timeout_s}s; {faults}") from exc
         except Exception as exc:
-            self._fail(pending)
+            faults = self._engine_faults(pending)
+            self._fail()
             if isinstance(exc, SyncError):
                 raise
-            raise SyncError(f"weight sync v{version} failed: {exc}") from exc
+            raise SyncError(f"weight sync v{version} failed: {faults}; transport said: {exc}") from exc
         if cfg.verify:
             for engine, per_worker in replies:
                 for rank, reply in enumerate(per_worker):
@@ -152,11 +157,32 @@ class CollectiveWeightSync(WeightSync):
         metrics.seconds = time.perf_counter() - t0
         return metrics
 
-    def _liveness(self) -> str:
-        return ", ".join(f"{e.name}={'alive' if getattr(e, 'alive', True) else 'dead'}"
-                         for e in self.engines)
+    @staticmethod
+    def _engine_faults(pending, grace_s: float = 3.0) -> str:
+        """Name the engines that died or failed; a transport error usually means one of them did.
 
-    def _fail(self, pending) -> None:
+        A killed process is reaped a moment after its sockets close, so wait up to ``grace_s``.
+        """
+        deadline = time.monotonic() + grace_s
+        while True:
+            faults = []
+            for engine, p in pending:
+                try:
+                    p.poll()
+                except EngineDied as exc:  # the likely cause: named first
+                    faults.insert(0, str(exc))
+                except Exception as exc:  # noqa: BLE001 - collected into one message
+                    faults.append(str(exc).splitlines()[0])
+            if faults or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if faults:
+            return "; ".join(faults)
+        alive = ", ".join(f"{e.name}={'alive' if getattr(e, 'alive', True) else 'dead'}"
+                          for e, _ in pending)
+        return f"no engine reported a fault ({alive})"
+
+    def _fail(self) -> None:
         """After a failed sync the group is unusable: drop it so the next sync re-forms it."""
         group, self.group = self.group, None
         if group is not None:
