@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 
 from megatron_rl.rewards.base import (CORRECT, ERROR, UNPARSABLE, WRONG, Outcome, RewardItem,
                                       register_reward)
@@ -103,7 +104,12 @@ def code_reward(item: RewardItem, cfg) -> Outcome:
     source = program + (_CALL_DRIVER.format(name=fn_name) if fn_name else "")
     stop_early = ccfg.mode == "all_pass" and ccfg.stop_on_first_failure
     passed, first_failure = 0, ""
+    # stop before the pool's hard timeout would kill us (and lose the cases that did pass)
+    deadline = time.monotonic() + 0.9 * ccfg.timeout_s
     for inp, want in cases[: ccfg.max_cases]:
+        if time.monotonic() + ccfg.sandbox.timeout_s > deadline:
+            first_failure = first_failure or "time budget for this response exhausted"
+            break
         stdin = json.dumps(inp) if fn_name else ("\n".join(inp) if isinstance(inp, list) else inp)
         res = sandbox.run_python(source, stdin=str(stdin))
         if fn_name:

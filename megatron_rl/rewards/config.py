@@ -87,6 +87,9 @@ class CodeConfig(ConfigBase):
             self.fail("mode", f"must be 'pass_rate' or 'all_pass', got {self.mode!r}")
         self.check_range("timeout_s", lo=0.0, lo_open=True)
         self.check_range("max_cases", lo=1)
+        if self.timeout_s <= self.sandbox.timeout_s:
+            self.fail("timeout_s", f"must exceed sandbox.timeout_s ({self.sandbox.timeout_s}): it "
+                                   "bounds all test cases of one response")
 
 
 @dataclass(kw_only=True)

@@ -25,18 +25,23 @@ class RewardManager:
         cfg.validate()
         self.cfg = cfg
         self._pool: HardTimeoutPool | None = None
-        for alias, target in cfg.style_map.items():
+        for target in cfg.style_map.values():
             get_style(target)  # raises, listing the registered styles, for a bad map
         if cfg.default_style:
             get_style(cfg.default_style)
 
     # -- style resolution -------------------------------------------------------------------------
     def resolve_style(self, style: str, data_source: str = "") -> str:
-        """The registered style for a data style / data_source; raises KeyError when none fits."""
+        """The registered style for an item; raises KeyError when none fits.
+
+        Order: the style itself, the data source itself, ``style_map[data_source]``,
+        ``style_map[style]`` (a specific source beats verl's generic style "rule"), the default.
+        """
         known = set(registered_styles())
         for key in (style, data_source):
             if key in known:
                 return key
+        for key in (data_source, style):
             if key in self.cfg.style_map:
                 return self.cfg.style_map[key]
         if self.cfg.default_style:

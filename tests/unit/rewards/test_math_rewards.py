@@ -1,0 +1,101 @@
+"""Math reward verdicts, including seed 002's traps (verdicts documented in rewards/math.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_rl.rewards import RewardConfig, RewardItem
+from megatron_rl.rewards.extract import extract_answer, last_boxed, last_number
+from megatron_rl.rewards.math import exact_boxed, math_reward
+
+CFG = RewardConfig()
+
+
+def verdict(gt: str, response: str) -> tuple[float, str]:
+    out = math_reward(RewardItem(response, gt, "math"), CFG)
+    return out.score, out.status
+
+
+@pytest.mark.parametrize("text, want", [
+    ("so \\boxed{42}.", "42"),
+    ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+    ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),
+    ("\\fbox{7} and nothing else", "7"),
+    ("a \\boxed 5 b", "5"),
+    ("truncated \\boxed{12", None),
+    ("no box", None),
+])
+def test_last_boxed(text, want):
+    assert last_boxed(text) == want
+
+
+def test_extract_fallbacks():
+    assert extract_answer("The answer is 17.") == "17"
+    assert extract_answer("we get 3 then 1,234 apples") is None
+    assert extract_answer("we get 3 then 1,234 apples", fallback_last_number=True) == "1234"
+    assert last_number("x = -0.5") == "-0.5"
+
+
+# (ground truth, response, expected score): the seed's traps and their neighbours
+TRAPS = [
+    # 4.5 tickets: the label is wrong (2 yuan each, 9 yuan buys 4); we score against the label and
+    # leave the wrong label to data cleaning.
+    ("4.5", "Each ticket costs 2, so \\boxed{4}", 0.0),
+    ("4.5", "\\boxed{4.5}", 1.0),
+    ("4.5", "\\boxed{4.5 \\text{ tickets}}", 1.0),
+    # 96 vs 96%: the same number with a percent sign is right; another number is not.
+    ("96", "盈利 \\boxed{96\\%}", 1.0),
+    ("96", "\\boxed{96 percent}", 1.0),
+    ("96", "\\boxed{96}", 1.0),
+    ("96", "\\boxed{0.96}", 0.0),
+    ("0.96", "\\boxed{96\\%}", 1.0),
+    ("96", "\\boxed{97\\%}", 0.0),
+    # pi vs 3.14: pi (or a longer rounding of it) for a label that rounds pi at >= 2 decimals.
+    ("3.14", "\\boxed{\\pi}", 1.0),
+    ("3.14", "\\boxed{3.1415926}", 1.0),
+    ("3.14", "\\boxed{圆周率}", 1.0),
+    ("\\pi", "\\boxed{3.14159}", 1.0),
+    ("6.28", "\\boxed{2\\pi}", 1.0),
+    ("3.15", "\\boxed{\\pi}", 0.0),
+    ("3.14", "\\boxed{3.1}", 0.0),
+    ("3.1416", "\\boxed{3.14}", 0.0),
+    ("0.5", "\\boxed{\\frac{\\pi}{6}}", 0.0),   # one decimal is too coarse to call it pi/6
+    ("0.5", "\\boxed{0.54}", 0.0),              # no general "close enough"
+    # 3 real roots vs 7 roots: a superset is not the answer.
+    ("1, 2, 3", "\\boxed{1, 2, 3, i, -i, 2i, -2i}", 0.0),
+    ("1, 2, 3", "\\boxed{3, 1, 2}", 1.0),
+    # ordinary equivalences
+    ("\\frac{1}{2}", "\\boxed{0.5}", 1.0),
+    ("x=2", "\\boxed{2}", 1.0),
+    ("10", "\\boxed{10\\text{ cm}}", 1.0),
+]
+
+
+@pytest.mark.parametrize("gt, response, want", TRAPS)
+def test_trap_verdicts(gt, response, want):
+    score, _ = verdict(gt, response)
+    assert score == want
+
+
+def test_pi_and_percent_rules_can_be_switched_off():
+    cfg = RewardConfig()
+    cfg.math.pi_tolerance = False
+    out = math_reward(RewardItem("\\boxed{\\pi}", "3.14", "math"), cfg)
+    assert out.score == 0.0 and out.status == "wrong"
+
+
+def test_unparsable_is_counted_as_such():
+    assert verdict("5", "I do not know") == (0.0, "unparsable")
+    assert verdict("5", "\\boxed{}") == (0.0, "unparsable")
+
+
+@pytest.mark.parametrize("gt, response, want", [
+    ("940", "Q:585+355=\nA:\\boxed{940}", (1.0, "correct")),
+    ("940", "\\boxed{ 9 4 0 }", (1.0, "correct")),
+    ("940", "\\boxed{941}", (0.0, "wrong")),
+    ("940", "\\boxed{940.0}", (0.0, "wrong")),  # a string match, deliberately strict
+    ("940", "940", (0.0, "unparsable")),
+])
+def test_exact_boxed(gt, response, want):
+    out = exact_boxed(RewardItem(response, gt, "exact_boxed"))
+    assert (out.score, out.status) == want
