@@ -17,8 +17,8 @@
 # Settings (environment; all optional):
 #   CONFIG            recipe config (default: the stage script's; relative paths: to the checkout)
 #   STAGE             stage name to run (default: the STAGE_INDEX-th entry of the config's stages)
-#   RUN_DIR           run directory shared by the stages (default: runs/<config dir>, relative to
-#                     the directory sbatch was called from)
+#   RUN_DIR           run directory shared by the stages (default: the config's trainer.run_dir,
+#                     relative to the checkout; a relative RUN_DIR is relative to where sbatch ran)
 #   MODEL_PATH        Hugging Face checkpoint of the base model (sets model.path)
 #   INIT_FROM         start the first stage from this checkpoint (sets trainer.init_from)
 #   OVERRIDES         more `key.sub=value` config overrides, space separated
@@ -49,16 +49,17 @@ mrl_python() {  # a Python that can import megatron_rl (the venv's when VENV is 
   if [ -n "${VENV:-}" ]; then echo "$VENV/bin/python"; else command -v python || command -v python3; fi
 }
 
-mrl_stage_name() {  # mrl_stage_name CONFIG INDEX: name of the INDEX-th (1-based) stage of CONFIG
-  "$(mrl_python)" - "$1" "$2" <<'EOF'
+mrl_config_get() {  # mrl_config_get CONFIG INDEX: "<name of stage INDEX (1-based)> <trainer.run_dir>"
+  "$(mrl_python)" - "$1" "$2" <<'EOF_PY'
 import sys
 from megatron_rl.config.loader import load_yaml_tree
-stages = load_yaml_tree(sys.argv[1]).get("stages") or []
+tree = load_yaml_tree(sys.argv[1])
+stages = tree.get("stages") or []
 i = int(sys.argv[2])
 if not 1 <= i <= len(stages):
     sys.exit(f"{sys.argv[1]}: has {len(stages)} stages, no stage number {i}")
-print(stages[i - 1]["name"])
-EOF
+print(stages[i - 1]["name"], (tree.get("trainer") or {}).get("run_dir", "runs/default"))
+EOF_PY
 }
 
 mrl_main() {
@@ -68,8 +69,11 @@ mrl_main() {
   submit="${SLURM_SUBMIT_DIR:-$PWD}"
   config="$(mrl_abs "${CONFIG:-$DEFAULT_CONFIG}" "$home")"
   [ -f "$config" ] || { mrl_log "CONFIG not found: $config"; return 2; }
-  run_dir="$(mrl_abs "${RUN_DIR:-runs/$(basename "$(dirname "$config")")}" "$submit")"
-  stage="${STAGE:-$(mrl_stage_name "$config" "$STAGE_INDEX")}" || return 2
+  local from_config
+  from_config="$(mrl_config_get "$config" "$STAGE_INDEX")" || return 2
+  stage="${STAGE:-${from_config%% *}}"
+  if [ -n "${RUN_DIR:-}" ]; then run_dir="$(mrl_abs "$RUN_DIR" "$submit")"
+  else run_dir="$(mrl_abs "${from_config#* }" "$home")"; fi
 
   # --- nodes: trainer hosts and (optionally) dedicated rollout hosts -----------------------------
   local hosts=() train_hosts rollout_hosts=() n_rollout=0
