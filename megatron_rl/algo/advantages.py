@@ -22,11 +22,11 @@ from megatron_rl.algo.registry import ADV_ESTIMATORS, register_adv_estimator
 
 def _group_centered(rewards: Tensor, index: Tensor, in_stats: Tensor, num_groups: int,
                     divide_by_std: bool, eps: float) -> Tensor:
-    count, mean, std = group_mean_std(rewards, index, in_stats, num_groups)
+    # A lone member equals its group mean: advantage 0. Responses outside the statistics
+    # (truncated, mask "before") are zeroed by compute_advantages.
+    _, mean, std = group_mean_std(rewards, index, in_stats, num_groups)
     adv = rewards - mean[index]
-    if divide_by_std:
-        adv = adv / (std[index] + eps)
-    return torch.where(count[index] >= 2, adv, torch.zeros_like(adv))
+    return adv / (std[index] + eps) if divide_by_std else adv
 
 
 @register_adv_estimator("grpo")

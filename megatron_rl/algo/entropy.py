@@ -3,7 +3,7 @@
 Adaptive control, step k with measured mean entropy e_k (the old-log-prob pass of the step, before
 the update) and coefficient state c_k (c_0 = ``coef``):
     alpha_k = c_k if e_k <= target else 0          (the term only applies below target)
-    c_{k+1} = clamp(c_k + delta if e_k < target else c_k - delta, coef_min, coef_max)
+    c_{k+1} = clamp(c_k + delta if e_k < target, c_k - delta if e_k > target, coef_min, coef_max)
 "fixed" mode: alpha = coef at every step; "off": alpha = 0.
 """
 
@@ -41,7 +41,7 @@ class EntropyController:
         if cfg.mode == "adaptive":
             below = entropy <= cfg.target
             self._alpha = self._coef if below else 0.0
-            step = cfg.delta if entropy < cfg.target else -cfg.delta
+            step = cfg.delta if entropy < cfg.target else -cfg.delta if entropy > cfg.target else 0
             self._coef = min(max(self._coef + step, cfg.coef_min), cfg.coef_max)
         elif cfg.mode == "fixed":
             self._alpha = cfg.coef
