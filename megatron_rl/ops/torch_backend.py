@@ -88,6 +88,63 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, local_labels: torc
                 merge_into(acc, SoftmaxStats(m, s, t))
 
 
+def accumulate_grads(hidden: torch.Tensor, weight: torch.Tensor, tile_grad, *, chunk_tokens: int,
+                     chunk_vocab: int, grad_hidden: torch.Tensor | None,
+                     grad_weight: torch.Tensor | None, upcast: bool) -> None:
+    """The backward tile loop shared by the back-ends.
+
+    ``tile_grad(h, w, n0, n1, v0, v1)`` returns the gradient of the loss with respect to the raw
+    logits ``h @ w^T`` of one tile (``h = hidden[n0:n1]``, ``w = weight[v0:v1]``, both fp32 when
+    ``upcast``); it is multiplied into the fp32 ``grad_hidden [N, H]`` and ``grad_weight [V, H]``
+    (vocabulary chunks outer, so each ``grad_weight`` chunk stays hot while tokens stream by).
+    """
+    n_tok, n_voc = hidden.shape[0], weight.shape[0]
+    for v0 in range(0, n_voc, chunk_vocab):
+        v1 = min(v0 + chunk_vocab, n_voc)
+        w = _f32(weight[v0:v1]) if upcast else weight[v0:v1]
+        for n0 in range(0, n_tok, chunk_tokens):
+            n1 = min(n0 + chunk_tokens, n_tok)
+            h = _f32(hidden[n0:n1]) if upcast else hidden[n0:n1]
+            g = tile_grad(h, w, n0, n1, v0, v1)
+            if grad_hidden is not None:
+                _mm_into(grad_hidden[n0:n1], g, w, accumulate=v0 > 0)
+            if grad_weight is not None:
+                _mm_into(grad_weight[v0:v1], g.t(), h, accumulate=n0 > 0)
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    """``out (+)= a @ b`` with fp32 ``out``; low-precision operands multiply natively (fp32
+    accumulation inside the GEMM) when the device supports an fp32 output, else are upcast."""
+    if a.dtype == b.dtype == torch.float32:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+        return
+    if a.dtype == b.dtype and a.is_cuda:
+        prod = torch.mm(a, b, out_dtype=torch.float32)
+    else:
+        prod = torch.mm(_f32(a), _f32(b))
+    if accumulate:
+        out.add_(prod)
+    else:
+        out.copy_(prod)
+
+
+def row_coefficients(inv_temp: float, mean_z: torch.Tensor | None, g_logp: torch.Tensor,
+                     g_ent: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token ``(a, b, c)`` with ``dL/d(raw logit) = p * (a * z + b) + c * onehot(label)``.
+
+    From ``dlogp/dz = onehot - p`` and ``dH/dz = p * (E[z] - z)`` and ``dz/d(raw) = 1/T``:
+    ``a = -g_ent / T``, ``b = (g_ent * E[z] - g_logp) / T``, ``c = g_logp / T`` (``a = 0`` and
+    ``b = -g_logp / T`` without an entropy gradient).
+    """
+    c = g_logp * inv_temp
+    if g_ent is None:
+        return torch.zeros_like(c), -c, c
+    return -inv_temp * g_ent, inv_temp * (g_ent * mean_z - g_logp), c
+
+
 def backward(hidden: torch.Tensor, weight: torch.Tensor, local_labels: torch.Tensor, *,
              inv_temp: float, lse: torch.Tensor, mean_z: torch.Tensor | None,
              g_logp: torch.Tensor, g_ent: torch.Tensor | None, chunk_tokens: int, chunk_vocab: int,
@@ -96,39 +153,23 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, local_labels: torch.Ten
     [N, H]`` and ``grad_weight [V, H]`` (either may be None to skip it). ``g_ent=None`` skips the
     entropy term; ``mean_z`` is ``E_p[z]``, needed only with ``g_ent``. ``grad_hidden`` is this
     shard's contribution: the caller sums it over vocab-parallel ranks."""
-    n_tok, n_voc = hidden.shape[0], weight.shape[0]
-    tiles = _Tiles(chunk_tokens, chunk_vocab, hidden.device, n_tok, n_voc)
-    # dL/d(raw logit) = inv_temp * dz; with p = exp(z - lse):
-    #   inv_temp * dz = p * (a * z + b) + inv_temp * g_logp * onehot(label)
-    #   a = -inv_temp * g_ent,  b = inv_temp * (g_ent * E[z] - g_logp)
-    gl_scaled = g_logp * inv_temp
-    if g_ent is not None:
-        a = (-inv_temp * g_ent)[:, None]
-        b = (inv_temp * (g_ent * mean_z - g_logp))[:, None]
-    for v0 in range(0, n_voc, chunk_vocab):
-        v1 = min(v0 + chunk_vocab, n_voc)
-        w = _f32(weight[v0:v1])
-        for n0 in range(0, n_tok, chunk_tokens):
-            n1 = min(n0 + chunk_tokens, n_tok)
-            h = _f32(hidden[n0:n1])
-            z, g = tiles.views(n1 - n0, v1 - v0)
-            torch.mm(h * inv_temp, w.t(), out=z)
-            torch.sub(z, lse[n0:n1, None], out=g)
-            g.exp_()  # p
-            if g_ent is not None:
-                torch.addcmul(b[n0:n1], z, a[n0:n1], out=z)
-                g.mul_(z)
-            else:
-                g.mul_(-gl_scaled[n0:n1, None])
-            rows, cols = _label_cols(local_labels[n0:n1], v0, v1)
-            g[rows, cols] += gl_scaled[n0:n1][rows]
-            if grad_hidden is not None:
-                if v0 == 0:
-                    torch.mm(g, w, out=grad_hidden[n0:n1])
-                else:
-                    grad_hidden[n0:n1].addmm_(g, w)
-            if grad_weight is not None:
-                if n0 == 0:
-                    torch.mm(g.t(), h, out=grad_weight[v0:v1])
-                else:
-                    grad_weight[v0:v1].addmm_(g.t(), h)
+    tiles = _Tiles(chunk_tokens, chunk_vocab, hidden.device, hidden.shape[0], weight.shape[0])
+    a, b, c = row_coefficients(inv_temp, mean_z, g_logp, g_ent)
+    a, b = a[:, None], b[:, None]
+
+    def tile_grad(h, w, n0, n1, v0, v1):
+        z, g = tiles.views(n1 - n0, v1 - v0)
+        torch.mm(h * inv_temp, w.t(), out=z)
+        torch.sub(z, lse[n0:n1, None], out=g)
+        g.exp_()  # p
+        if g_ent is not None:
+            torch.addcmul(b[n0:n1], z, a[n0:n1], out=z)
+            g.mul_(z)
+        else:
+            g.mul_(b[n0:n1])
+        rows, cols = _label_cols(local_labels[n0:n1], v0, v1)
+        g[rows, cols] += c[n0:n1][rows]
+        return g
+
+    accumulate_grads(hidden, weight, tile_grad, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab,
+                     grad_hidden=grad_hidden, grad_weight=grad_weight, upcast=True)
