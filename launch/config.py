@@ -1,0 +1,98 @@
+"""What the NeMo-Run launcher needs to start one stage of the recipe (typed, validated)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_rl.config.base import ConfigBase
+
+#: The checkout (configs/, slurm/ are found relative to it).
+HOME = Path(__file__).resolve().parent.parent
+
+#: Stage number -> seconds before the time limit at which Slurm sends USR1 (as in slurm/stage*.sh:
+#: longer stages have longer steps, so they are warned earlier).
+SIGNAL_LEAD_SECONDS = {1: 600, 2: 900, 3: 1200}
+
+
+@dataclass(kw_only=True)
+class LaunchConfig(ConfigBase):
+    # Which stage of the recipe: 1 (8k), 2 (16k) or 3 (32k). Picks configs/skywork_or1/<size>/stageN.yaml
+    # and, unless ``stage_name`` is set, the N-th entry of that config's ``stages``.
+    stage: int
+    # Model size of the recipe configs: "7b" or "32b".
+    size: str = "7b"
+    # Run config; empty: configs/skywork_or1/<size>/stage<stage>.yaml. Relative paths: to the checkout.
+    config: str = ""
+    # Name of the stage to run; empty: the stage-th entry of the config's ``stages``.
+    stage_name: str = ""
+    # Run directory shared by the stages; empty: the config's trainer.run_dir.
+    run_dir: str = ""
+    # More ``key.sub=value`` config overrides for the trainer.
+    overrides: list[str] = field(default_factory=list)
+    # "slurm" (sbatch through NeMo-Run, pyxis container optional) or "local" (this machine).
+    executor: str = "slurm"
+    # Slurm: nodes of the job; every node runs torchrun for the trainer (engines colocated).
+    nodes: int = 1
+    # Slurm: GPUs requested per node.
+    gpus_per_node: int = 8
+    # Trainer processes per node; 0: gpus_per_node for Slurm, 1 for local.
+    nproc_per_node: int = 0
+    # Slurm account and partition (account is required by sbatch on most clusters).
+    account: str = ""
+    partition: str = ""
+    # Slurm time limit of one job (a requeued job gets it again).
+    time: str = "48:00:00"
+    # Slurm: seconds before the time limit at which the trainer is told to checkpoint (USR1);
+    # 0: the stage's default (600 / 900 / 1200 s).
+    signal_lead_s: int = 0
+    # Slurm: requeue after a checkpoint-on-signal (or a failure) at most this many times.
+    max_requeues: int = 50
+    # Slurm: pyxis/enroot image ("" = no container) and extra mounts "src:dst".
+    container_image: str = ""
+    container_mounts: list[str] = field(default_factory=list)
+    # Environment variables for the trainer processes.
+    env: dict[str, str] = field(default_factory=dict)
+    # Virtualenv activated on every node before the trainer starts ("" = the PATH as is).
+    venv: str = ""
+    # torchrun rendezvous port on the first node.
+    master_port: int = 29500
+    # Where NeMo-Run keeps the job's files (sbatch script, logs); empty: <run_dir>/nemo_run.
+    job_dir: str = ""
+
+    def validate(self) -> None:
+        super().validate()
+        if self.stage not in SIGNAL_LEAD_SECONDS:
+            self.fail("stage", f"must be 1, 2 or 3, got {self.stage!r}")
+        if self.size not in ("7b", "32b"):
+            self.fail("size", f"must be '7b' or '32b', got {self.size!r}")
+        if self.executor not in ("slurm", "local"):
+            self.fail("executor", f"must be 'slurm' or 'local', got {self.executor!r}")
+        for name in ("nodes", "gpus_per_node"):
+            self.check_range(name, lo=1)
+        for name in ("nproc_per_node", "signal_lead_s", "max_requeues"):
+            self.check_range(name, lo=0)
+        self.check_range("master_port", lo=1, hi=65535)
+        if self.executor == "local" and self.nodes != 1:
+            self.fail("nodes", f"the local executor runs on this machine only (nodes=1), got {self.nodes}")
+        for i, m in enumerate(self.container_mounts):
+            if ":" not in m:
+                self.fail("container_mounts", f"entry {i} must look like src:dst, got {m!r}")
+        for o in self.overrides:
+            if "=" not in o:
+                self.fail("overrides", f"each override looks like key.sub=value, got {o!r}")
+        if not self.config_path().is_file():
+            self.fail("config", f"file not found: {self.config_path()}")
+
+    # --- derived values --------------------------------------------------------------------------
+    def config_path(self) -> Path:
+        path = Path(self.config or f"configs/skywork_or1/{self.size}/stage{self.stage}.yaml")
+        return path if path.is_absolute() else HOME / path
+
+    def procs_per_node(self) -> int:
+        if self.nproc_per_node:
+            return self.nproc_per_node
+        return self.gpus_per_node if self.executor == "slurm" else 1
+
+    def signal_lead(self) -> int:
+        return self.signal_lead_s or SIGNAL_LEAD_SECONDS[self.stage]
