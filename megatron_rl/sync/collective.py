@@ -23,6 +23,34 @@ from megatron_rl.sync.config import SyncConfig
 from megatron_rl.sync.group import host_store, make_group, send_bucket, wait_works
 
 
+def send_all(group, named_tensors: NamedTensors, buffers: list[torch.Tensor], device: torch.device,
+             verify: bool, timeout_s: float, check=lambda: None,
+             metrics: SyncMetrics | None = None) -> dict[str, int]:
+    """Stream every tensor to the group in buckets through two alternating ``buffers``.
+
+    While bucket k is being broadcast (asynchronously), bucket k+1 is gathered from the iterator
+    and packed into the other buffer. Returns the per-tensor checksums (empty unless ``verify``)
+    and fills ``metrics`` (buckets, tensors, bytes). Every wait ends by ``timeout_s``.
+    """
+    expected: dict[str, int] = {}
+    in_flight: list[list] = [[], []]
+    bucket_bytes = buffers[0].numel()
+    for k, items in enumerate(group_by_dtype(named_tensors, bucket_bytes)):
+        slot = k % 2
+        wait_works(in_flight[slot], time.monotonic() + timeout_s, check)
+        meta, data = pack(items, k, buffers[slot])
+        in_flight[slot] = send_bucket(group, meta, data, device)
+        if verify:  # hashed while the broadcast is in flight
+            expected.update((n, checksum(t)) for n, t in unpack(meta, data))
+        if metrics is not None:
+            metrics.buckets += 1
+            metrics.tensors += len(meta.tensors)
+            metrics.bytes += sum(t.nbytes for t in meta.tensors)
+    end = send_bucket(group, None, None, device)
+    wait_works(in_flight[0] + in_flight[1] + end, time.monotonic() + timeout_s, check)
+    return expected
+
+
 class CollectiveWeightSync(WeightSync):
     """Sync over a torch.distributed gloo/NCCL group joining this rank and every engine worker.
 
@@ -120,21 +148,9 @@ class CollectiveWeightSync(WeightSync):
             self._raise_engine_failures(pending)
 
         metrics = SyncMetrics(version=version, engines=len(self.engines), verified=cfg.verify)
-        expected: dict[str, int] = {}
-        in_flight: list[list] = [[], []]
         try:
-            for k, items in enumerate(group_by_dtype(named_tensors, cfg.bucket_bytes)):
-                slot = k % 2
-                wait_works(in_flight[slot], time.monotonic() + cfg.timeout_s, check)
-                meta, data = pack(items, k, self._buffer(slot))
-                in_flight[slot] = send_bucket(self.group, meta, data, self.device)
-                if cfg.verify:  # hashed while the broadcast is in flight
-                    expected.update((n, checksum(t)) for n, t in unpack(meta, data))
-                metrics.buckets += 1
-                metrics.tensors += len(meta.tensors)
-                metrics.bytes += sum(t.nbytes for t in meta.tensors)
-            end = send_bucket(self.group, None, None, self.device)
-            wait_works(in_flight[0] + in_flight[1] + end, time.monotonic() + cfg.timeout_s, check)
+            expected = send_all(self.group, named_tensors, [self._buffer(0), self._buffer(1)],
+                                self.device, cfg.verify, cfg.timeout_s, check, metrics)
             replies = [(e, p.result(cfg.timeout_s)) for e, p in pending]
         except TimeoutError as exc:
             faults = self._engine_faults(pending)

@@ -152,3 +152,20 @@ def test_sync_matches_hf_then_detects_corruption_then_survives_a_killed_engine(s
     for e in engines:
         _assert_engine_matches_hf(e, hf, version=4)
     sync.close()
+
+
+def test_colocated_ipc_protocol_over_shared_memory_matches_hf(setup):
+    """The cuda_ipc transport's protocol, run on CPU over POSIX shared memory (GPU: CUDA IPC)."""
+    path, engines, hf = setup
+    # bucket smaller than the largest tensors: those travel in one-off buffers of their own
+    cfg = SyncConfig(transport="cuda_ipc", bucket_bytes=BUCKET, timeout_s=20.0, verify=True)
+    with build_weight_sync(cfg, engines) as sync:
+        before = [_hf_greedy(hf, p, 10) for p in PROMPTS]
+        _retrain(hf, seed=5)
+        assert [_hf_greedy(hf, p, 10) for p in PROMPTS] != before, "retrain did not change outputs"
+        metrics = sync.sync(_named(hf), version=7)
+        assert metrics.tensors == sum(1 for _ in hf.named_parameters()) and metrics.buckets > 3
+        for e in engines:
+            _assert_engine_matches_hf(e, hf, version=7)
+        shm_dir = sync._dir
+    assert shm_dir is not None and not os.path.exists(shm_dir)

@@ -1,0 +1,162 @@
+"""Weight-sync throughput: our bucketed broadcast vs one raw broadcast (the floor) vs per-tensor.
+
+One run prints, for a synthetic transformer of a few hundred MB with many tensors, the time of
+
+* ``floor``      one broadcast of a single tensor holding all the bytes (the transport's best),
+* ``per-tensor`` one blocking broadcast per tensor (OpenRLHF-style baseline),
+* ``ours``       ``megatron_rl.sync.collective.send_all`` + the engine-side receive/unpack, with and
+                 without checksums, and a bucket-size sweep,
+
+as ratios measured in this run. Every trial ends with a barrier, so times include the receivers.
+Receivers stop at unpacked tensors (no vLLM load), so the numbers are the transport's.
+
+    python benchmarks/weight_sync.py                     # CPU, gloo, 2 receivers
+    python benchmarks/weight_sync.py --backend nccl      # one GPU per process (>= 3 GPUs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+from megatron_rl.sync.buckets import checksum, unpack
+from megatron_rl.sync.collective import send_all
+from megatron_rl.sync.group import broadcast, host_store, make_group, recv_buckets
+
+MiB = 1024 * 1024
+
+
+def synthetic_model(layers: int, hidden: int, inter: int, vocab: int, dtype: torch.dtype):
+    """HF-named tensors of a Qwen2-like model (q/k/v biases: many small tensors too)."""
+    g = torch.Generator().manual_seed(0)
+
+    def t(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    out = [("model.embed_tokens.weight", t(vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", t(hidden)),
+                (p + "self_attn.q_proj.weight", t(hidden, hidden)), (p + "self_attn.q_proj.bias", t(hidden)),
+                (p + "self_attn.k_proj.weight", t(hidden, hidden)), (p + "self_attn.k_proj.bias", t(hidden)),
+                (p + "self_attn.v_proj.weight", t(hidden, hidden)), (p + "self_attn.v_proj.bias", t(hidden)),
+                (p + "self_attn.o_proj.weight", t(hidden, hidden)),
+                (p + "post_attention_layernorm.weight", t(hidden)),
+                (p + "mlp.gate_proj.weight", t(inter, hidden)), (p + "mlp.up_proj.weight", t(inter, hidden)),
+                (p + "mlp.down_proj.weight", t(hidden, inter))]
+    out += [("model.norm.weight", t(hidden)), ("lm_head.weight", t(vocab, hidden))]
+    return out
+
+
+def plan(args, shapes):
+    """The trial list every rank walks in the same order: (kind, bucket_bytes, verify)."""
+    trials = []
+    for _ in range(args.repeats):
+        trials += [("floor", 0, False), ("per_tensor", 0, False),
+                   ("ours", args.bucket_mib * MiB, False), ("ours", args.bucket_mib * MiB, True)]
+        trials += [("ours", b * MiB, False) for b in args.sweep_mib]
+    return trials
+
+
+def _device(backend: str, rank: int) -> torch.device:
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def receiver(rank: int, args, port: int, shapes):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    device = _device(args.backend, rank)
+    group = make_group(args.backend, "127.0.0.1", port, rank, args.receivers + 1, 300.0)
+    total = sum(s.numel() * s.element_size() for _, s in shapes)
+    for kind, _bucket, verify in plan(args, shapes):
+        if kind == "floor":
+            broadcast(group, torch.empty(total, dtype=torch.uint8, device=device)).wait()
+        elif kind == "per_tensor":
+            for _, s in shapes:
+                broadcast(group, torch.empty(s.shape, dtype=s.dtype, device=device)).wait()
+        else:
+            for meta, data in recv_buckets(group, device, 300.0):
+                for _, tensor in unpack(meta, data):
+                    if verify:
+                        checksum(tensor)
+        group.barrier().wait()
+
+
+def sender(args, named, device):
+    group = None
+    world = args.receivers + 1
+    store = host_store("127.0.0.1", world, 300.0)
+    shapes = [(n, torch.empty(0, dtype=t.dtype).new_empty(t.shape, device="meta")) for n, t in named]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=receiver, args=(r, args, store.port, shapes)) for r in range(1, world)]
+    for p in procs:
+        p.start()
+    group = make_group(args.backend, "127.0.0.1", store.port, 0, world, 300.0, store=store)
+    named = [(n, t.to(device)) for n, t in named]
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    buffers = {}
+    times: dict[tuple, list[float]] = {}
+    for kind, bucket, verify in plan(args, shapes):
+        if kind == "ours" and bucket not in buffers:
+            buffers[bucket] = [torch.empty(bucket, dtype=torch.uint8, device=device) for _ in range(2)]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if kind == "floor":
+            broadcast(group, flat).wait()
+        elif kind == "per_tensor":
+            for _, t in named:
+                broadcast(group, t).wait()
+        else:
+            send_all(group, iter(named), buffers[bucket], device, verify, 300.0)
+        group.barrier().wait()
+        times.setdefault((kind, bucket, verify), []).append(time.perf_counter() - t0)
+    for p in procs:
+        p.join(timeout=60)
+    return {k: statistics.median(v) for k, v in times.items()}, total
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    ap.add_argument("--receivers", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--inter", type=int, default=1408)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--bucket-mib", type=int, default=64)
+    ap.add_argument("--sweep-mib", type=int, nargs="*", default=[1, 4, 16, 64, 256])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    device = _device(args.backend, 0)
+    named = synthetic_model(args.layers, args.hidden, args.inter, args.vocab, getattr(torch, args.dtype))
+    med, total = sender(args, named, device)
+    floor = med[("floor", 0, False)]
+    per_tensor = med[("per_tensor", 0, False)]
+    print(f"backend={args.backend} receivers={args.receivers} tensors={len(named)} "
+          f"bytes={total / MiB:.1f} MiB repeats={args.repeats} (medians)")
+    print(f"{'variant':34s} {'seconds':>8s} {'GB/s':>7s} {'x floor':>8s} {'per-tensor/x':>13s}")
+
+    def row(label, sec):
+        print(f"{label:34s} {sec:8.3f} {total / sec / 1e9:7.2f} {sec / floor:8.2f} {per_tensor / sec:13.2f}")
+
+    row("floor: one raw broadcast", floor)
+    row("per-tensor broadcast", per_tensor)
+    row(f"ours, {args.bucket_mib} MiB buckets", med[("ours", args.bucket_mib * MiB, False)])
+    row(f"ours, {args.bucket_mib} MiB buckets + checksums", med[("ours", args.bucket_mib * MiB, True)])
+    for b in args.sweep_mib:
+        row(f"  sweep: ours, {b} MiB buckets", med[("ours", b * MiB, False)])
+
+
+if __name__ == "__main__":
+    main()
