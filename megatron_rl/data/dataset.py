@@ -37,6 +37,8 @@ class PromptRecord:
     data_source: str
     extra: dict = field(default_factory=dict)
     uid: str = ""
+    # 1-based row number in the source file (the annotated copy is matched by it).
+    row: int = 0
 
 
 def read_rows(path: str | Path, max_rows: int = 0) -> Iterator[tuple[int, Any]]:
@@ -186,7 +188,7 @@ def load_prompts(path: str | Path, tokenizer, cfg: DataConfig | None = None,
                 stats[reason] += 1
                 continue
         uid = str(extra.get("uid", f"{name}:{rowno}"))
-        rec = PromptRecord([], text, gt, style, source, extra, uid)
+        rec = PromptRecord([], text, gt, style, source, extra, uid, rowno)
         pending.append((text, rec))
     records = _tokenize(pending, tokenizer, use_template)
     kept = []

@@ -1,0 +1,261 @@
+"""Data cleaning: tell hard questions from wrong labels (seed 002), Skywork-style offline filtering.
+
+Sample ``k`` responses per prompt, score them against the label, and label the prompt:
+
+* ``solved``: k/k right;
+* ``suspected_wrong_label``: the samples mostly agree on one answer that differs from the ground
+  truth (at least ``agree_frac`` of all k samples, and more often than the label is matched). The
+  seed's signature of a wrong label: mostly "wrong" with the same confident answer, rarely "right"
+  by coincidence. Checked before ``unsolved`` so a 0/k prompt with a consensus is flagged;
+* ``unsolved``: 0/k right, answers scattered;
+* ``hard``: rarely right (pass rate <= ``hard_max_pass_rate``), wrong answers scattered;
+* ``mixed``: everything else (a useful training prompt).
+
+The labeller (:func:`label_prompt`) is a pure function; :func:`annotate` runs an engine and the
+reward manager over a dataset; :func:`cli_main` is ``megatron-rl data difficulty``. The annotated
+dataset is the input with ``extra_info.difficulty = {label, pass_rate, k, n_correct,
+majority_wrong_answer, majority_wrong_frac, distinct_wrong_answers}`` added to each labelled row;
+training keeps labels / pass-rate ranges via ``data.keep_labels`` / ``data.pass_rate_min|max``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from megatron_rl.config.base import ConfigBase
+from megatron_rl.data.config import DataConfig
+from megatron_rl.data.dataset import PromptRecord, load_prompts, read_rows
+from megatron_rl.rewards.config import RewardConfig
+from megatron_rl.rewards.extract import normalize_ws
+from megatron_rl.rollout.config import RolloutConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class DifficultyConfig(ConfigBase):
+    # Responses sampled per prompt.
+    k: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    # Maximum response length in tokens.
+    max_tokens: int = 1024
+    seed: int = 0
+    # Prompts per engine call.
+    batch_prompts: int = 64
+    # A response counts as right when its reward is at least this.
+    correct_reward: float = 1.0
+    # Pass rates in (0, hard_max_pass_rate] are "hard" (unless the wrong answers agree).
+    hard_max_pass_rate: float = 0.25
+    # Share of all k samples that must give the same wrong answer to suspect the label.
+    agree_frac: float = 0.5
+    # Suspected wrong labels listed in the summary for review (most confident first).
+    summary_examples: int = 50
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("k", "max_tokens", "batch_prompts"):
+            self.check_range(name, lo=1)
+        self.check_range("temperature", lo=0.0, lo_open=True)
+        self.check_range("hard_max_pass_rate", lo=0.0, hi=1.0)
+        self.check_range("agree_frac", lo=0.0, hi=1.0, lo_open=True)
+
+
+@dataclass
+class DifficultyLabel:
+    label: str
+    pass_rate: float
+    k: int
+    n_correct: int
+    majority_wrong_answer: str | None
+    majority_wrong_frac: float
+    distinct_wrong_answers: int
+
+
+def canonical_answer(answer: str | None) -> str | None:
+    """A vote key: whitespace and ``$`` removed, plain numbers in one form (``4.0`` == ``4``)."""
+    if answer is None:
+        return None
+    a = normalize_ws(answer).strip("$")
+    if not a:
+        return None
+    try:
+        x = float(a.replace("{,}", "").replace(",", ""))
+    except ValueError:
+        return a
+    return repr(int(x)) if x.is_integer() and abs(x) < 1e15 else repr(x)
+
+
+def label_prompt(correct: list[bool], answers: list[str | None], *, hard_max_pass_rate: float = 0.25,
+                 agree_frac: float = 0.5) -> DifficultyLabel:
+    """Label one prompt from its k samples' correctness and extracted answers (see module doc)."""
+    if len(correct) != len(answers) or not correct:
+        raise ValueError("need one answer per sample and at least one sample")
+    k = len(correct)
+    n = sum(bool(c) for c in correct)
+    wrong = Counter(a for c, raw in zip(correct, answers) if not c
+                    for a in [canonical_answer(raw)] if a is not None)
+    top, top_n = (wrong.most_common(1)[0] if wrong else (None, 0))
+    frac = top_n / k
+    if n == k:
+        label = "solved"
+    elif frac >= agree_frac and top_n > n:
+        label = "suspected_wrong_label"
+    elif n == 0:
+        label = "unsolved"
+    elif n / k <= hard_max_pass_rate:
+        label = "hard"
+    else:
+        label = "mixed"
+    return DifficultyLabel(label, n / k, k, n, top, frac, len(wrong))
+
+
+def annotate(engine, records: list[PromptRecord], reward_mgr, cfg: DifficultyConfig
+             ) -> list[DifficultyLabel]:
+    """Sample ``cfg.k`` responses per record, score them, label each record."""
+    from megatron_rl.rewards import RewardItem
+    from megatron_rl.rollout.base import SamplingSpec
+
+    spec = SamplingSpec(n=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                        max_tokens=cfg.max_tokens, seed=cfg.seed)
+    labels: list[DifficultyLabel] = []
+    for start in range(0, len(records), cfg.batch_prompts):
+        chunk = records[start: start + cfg.batch_prompts]
+        groups = engine.generate([r.prompt_ids for r in chunk], spec)
+        items = [RewardItem(c.text, r.ground_truth, r.style,
+                            {"question": r.prompt_text, "data_source": r.data_source})
+                 for r, group in zip(chunk, groups) for c in group]
+        scores, _, details = reward_mgr.score(items, return_details=True)
+        for j, group in enumerate(groups):
+            lo, hi = j * cfg.k, (j + 1) * cfg.k
+            labels.append(label_prompt([s >= cfg.correct_reward for s in scores[lo:hi]],
+                                       [d["extracted"] for d in details[lo:hi]],
+                                       hard_max_pass_rate=cfg.hard_max_pass_rate,
+                                       agree_frac=cfg.agree_frac))
+        log.info("difficulty: %d/%d prompts labelled", len(labels), len(records))
+    return labels
+
+
+def summarize(records: list[PromptRecord], labels: list[DifficultyLabel], cfg: DifficultyConfig,
+              extra: dict | None = None) -> dict:
+    counts = Counter(lab.label for lab in labels)
+    suspects = sorted(((lab, rec) for lab, rec in zip(labels, records)
+                       if lab.label == "suspected_wrong_label"),
+                      key=lambda p: -p[0].majority_wrong_frac)
+    return {
+        "prompts": len(labels),
+        "k": cfg.k,
+        "labels": {name: counts.get(name, 0) for name in
+                   ("solved", "mixed", "hard", "unsolved", "suspected_wrong_label")},
+        "pass_rate_mean": sum(lab.pass_rate for lab in labels) / max(len(labels), 1),
+        "pass_rate_histogram": dict(sorted(Counter(round(lab.pass_rate, 3) for lab in labels).items())),
+        "suspected_wrong_label_examples": [
+            {"uid": rec.uid, "ground_truth": rec.ground_truth,
+             "majority_answer": lab.majority_wrong_answer, "agreement": lab.majority_wrong_frac,
+             "pass_rate": lab.pass_rate, "prompt": rec.prompt_text[:500]}
+            for lab, rec in suspects[: cfg.summary_examples]],
+        **(extra or {}),
+    }
+
+
+def write_annotated(src: str | Path, dst: str | Path, records: list[PromptRecord],
+                    labels: list[DifficultyLabel], extra_key: str = "extra_info") -> int:
+    """Copy ``src`` to ``dst`` (same format by suffix) adding the annotation to labelled rows.
+
+    Rows are matched by their row number (``PromptRecord.row``); rows that were not labelled (too
+    long, malformed and skipped) are copied without an annotation. Returns the rows written.
+    """
+    by_row = {rec.row: asdict(lab) for rec, lab in zip(records, labels)}
+    rows = []
+    for rowno, row in read_rows(src):
+        if not isinstance(row, dict):
+            continue  # malformed rows were skipped by the loader too
+        if rowno in by_row:
+            row = dict(row)
+            row[extra_key] = dict(row.get(extra_key) or {}, difficulty=by_row[rowno])
+        rows.append(row)
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if dst.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), dst)
+    elif dst.suffix in (".jsonl", ".ndjson"):
+        with dst.open("w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    else:
+        raise ValueError(f"{dst}: write .jsonl or .parquet")
+    return len(rows)
+
+
+def run(data_path: str, model_path: str, out_path: str, summary_path: str | None,
+        cfg: DifficultyConfig, engine=None) -> dict:
+    """Label a dataset end to end; ``engine`` defaults to ``make_engine(model_path, cfg.rollout)``."""
+    from transformers import AutoTokenizer
+
+    from megatron_rl.rewards import RewardManager
+
+    cfg.validate()
+    t0 = time.monotonic()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    records, stats = load_prompts(data_path, tokenizer, cfg.data)
+    own_engine = engine is None
+    if own_engine:
+        from megatron_rl.rollout import make_engine
+
+        max_len = max(len(r.prompt_ids) for r in records) + cfg.max_tokens if records else 0
+        engine = make_engine(model_path, cfg.rollout, seed=cfg.seed, max_model_len=max_len)
+    try:
+        with RewardManager(cfg.reward) as mgr:
+            labels = annotate(engine, records, mgr, cfg)
+    finally:
+        if own_engine:
+            engine.close()
+    written = write_annotated(data_path, out_path, records, labels, cfg.data.extra_key)
+    summary = summarize(records, labels, cfg, {"data": str(data_path), "model": str(model_path),
+                                               "load_stats": stats, "rows_written": written,
+                                               "seconds": time.monotonic() - t0})
+    summary_path = summary_path or str(Path(out_path).with_suffix("")) + ".summary.json"
+    Path(summary_path).write_text(json.dumps(summary, indent=2, ensure_ascii=False))
+    log.info("difficulty: %s -> %s (%s)", data_path, out_path, summary["labels"])
+    return summary
+
+
+def cli_main(argv: list[str]) -> int:
+    """``megatron-rl data difficulty --data D --model M --out O [--config C.yaml] [key=value ...]``.
+
+    Keys are those of :class:`DifficultyConfig` (``k=16``, ``reward.style_map={rule: math}``,
+    ``rollout.kv_cache_bytes=...``); a YAML ``--config`` holds the same tree.
+    """
+    from megatron_rl.config.loader import apply_override, load_yaml_tree
+
+    p = argparse.ArgumentParser(prog="megatron-rl data difficulty",
+                                description="label prompts solved / mixed / hard / unsolved / "
+                                            "suspected_wrong_label by sampling k responses")
+    p.add_argument("--data", required=True, help="input dataset (.jsonl / .json / .parquet)")
+    p.add_argument("--model", required=True, help="HF model directory for the engine and tokenizer")
+    p.add_argument("--out", required=True, help="annotated dataset to write (.jsonl / .parquet)")
+    p.add_argument("--summary", default=None, help="summary JSON (default: OUT without suffix "
+                                                    "+ .summary.json)")
+    p.add_argument("--config", default=None, help="YAML with DifficultyConfig keys")
+    p.add_argument("overrides", nargs="*", help="key.sub=value")
+    args = p.parse_args(argv)
+    tree = load_yaml_tree(args.config) if args.config else {}
+    for item in args.overrides:
+        tree = apply_override(tree, item)
+    cfg = DifficultyConfig.from_dict(tree, source=args.config)
+    summary = run(args.data, args.model, args.out, args.summary, cfg)
+    print(json.dumps({"labels": summary["labels"], "pass_rate_mean": summary["pass_rate_mean"]}))
+    return 0
