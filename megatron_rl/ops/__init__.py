@@ -2,5 +2,6 @@
 
 from .config import LogprobOpsConfig
 from .logprob_entropy import fused_logprob_entropy
+from .processed import processed_logprobs, top_k_top_p_mask
 
-__all__ = ["LogprobOpsConfig", "fused_logprob_entropy"]
+__all__ = ["LogprobOpsConfig", "fused_logprob_entropy", "processed_logprobs", "top_k_top_p_mask"]
