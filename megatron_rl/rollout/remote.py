@@ -56,15 +56,19 @@ _COMMANDS: dict[str, Callable] = {
 }
 
 
+def _vllm_engine(model_path: str, cfg: RolloutConfig, **kwargs):
+    from megatron_rl.rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine(model_path, cfg, **kwargs)
+
+
 def _serve(conn, model_path: str, cfg: dict, seed: int, max_model_len: int | None, name: str,
-           env: dict[str, str]) -> None:
+           env: dict[str, str], factory: Callable) -> None:
     os.environ.update(env)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
-        from megatron_rl.rollout.vllm_engine import VLLMEngine
-
-        engine = VLLMEngine(model_path, RolloutConfig.from_dict(cfg), seed=seed,
-                            max_model_len=max_model_len, name=name)
+        engine = factory(model_path, RolloutConfig.from_dict(cfg), seed=seed,
+                         max_model_len=max_model_len, name=name)
     except BaseException:  # noqa: BLE001 - report the start-up failure to the parent, then exit
         conn.send(("error", traceback.format_exc()))
         return
@@ -135,7 +139,10 @@ class RemoteEngine(RolloutEngine):
     def __init__(self, model_path: str, cfg: RolloutConfig, *, seed: int = 0,
                  max_model_len: int | None = None, name: str = "engine0",
                  env: dict[str, str] | None = None, start_timeout_s: float = 300.0,
-                 wait: bool = True):
+                 wait: bool = True, factory: Callable | None = None):
+        """``factory(model_path, cfg, seed=, max_model_len=, name=)`` builds the engine in the
+        child (a module-level function; default: :class:`VLLMEngine`). ``env`` is applied in the
+        child before anything is imported there."""
         cfg.validate()
         self.cfg, self.name, self.weight_version = cfg, name, 0
         # Ranks this engine takes in a sync group: one per vLLM worker.
@@ -144,7 +151,7 @@ class RemoteEngine(RolloutEngine):
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, name=f"mrl-{name}", daemon=True,
                                  args=(child, model_path, cfg.to_dict(), seed, max_model_len, name,
-                                       dict(env or {})))
+                                       dict(env or {}), factory or _vllm_engine))
         self._proc.start()
         child.close()
         self._pending: Pending | None = Pending(self, "start")

@@ -69,14 +69,19 @@ def open_shared(handle) -> tuple[torch.Tensor, object]:
         args = list(args)
         args[6] = torch.cuda.current_device()  # storage_device: this process's index of the GPU
         return fn(*args), None
-    from multiprocessing import resource_tracker, shared_memory
+    import mmap
+
+    import _posixshmem  # what multiprocessing.shared_memory uses, minus its resource tracker
+
     name, nbytes = payload
-    shm = shared_memory.SharedMemory(name=name)
-    try:  # the trainer owns the segment; this process must not unlink it on exit
-        resource_tracker.unregister(shm._name, "shared_memory")
-    except Exception:  # noqa: BLE001 - older/newer Pythons track differently
-        pass
-    return torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes), shm
+    # Not SharedMemory(name=...): on Python < 3.13 it registers the segment with a resource tracker
+    # that may be the trainer's own (inherited), and that tracker would then unlink it twice.
+    fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
+    try:
+        mapping = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes), mapping
 
 
 # ------------------------------------------------------------------------------ engine side
