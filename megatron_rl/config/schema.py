@@ -19,13 +19,21 @@ from megatron_rl.trainer.config import EvalConfig, SFTConfig, StageConfig, Train
 class TinyModelConfig(ConfigBase):
     """A tiny random model built locally (the CPU demo; see megatron_rl.models.tiny)."""
 
+    # Architecture of the written HF checkpoint: llama (character tokenizer), qwen2 or qwen3 (byte BPE).
     arch: str = "llama"
+    # Width of the residual stream.
     hidden_size: int = 128
+    # Width of the SwiGLU MLP.
     intermediate_size: int = 384
+    # Transformer layers.
     num_layers: int = 4
+    # Attention heads.
     num_heads: int = 4
+    # Key/value heads (GQA when fewer than num_heads).
     num_kv_heads: int = 4
+    # Longest sequence the model supports (RoPE positions).
     max_position_embeddings: int = 256
+    # Share the input embedding and output layer weights.
     tie_word_embeddings: bool = False
 
     def validate(self) -> None:
@@ -55,9 +63,13 @@ class ModelConfig(ConfigBase):
 class SyntheticConfig(ConfigBase):
     """Generate the built-in addition task's data (the demo) into RUN_DIR/data."""
 
+    # Write RUN_DIR/data/{train,eval}.jsonl (verl format) if they do not exist yet.
     enabled: bool = False
+    # Training problems (distinct).
     train_size: int = 20000
+    # Held-out problems, drawn from a disjoint part of the problem space (never trained on).
     eval_size: int = 500
+    # Operand sizes in digits.
     min_digits: int = 2
     max_digits: int = 3
 
@@ -69,6 +81,7 @@ class SyntheticConfig(ConfigBase):
 
 @dataclass(kw_only=True)
 class RunConfig(ConfigBase):
+    # The starting checkpoint.
     model: ModelConfig = field(default_factory=ModelConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

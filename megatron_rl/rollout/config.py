@@ -17,6 +17,7 @@ class RolloutConfig(ConfigBase):
     group_size: int = 8
     # Sampling temperature; log-probs for the ratio are recomputed at this same temperature.
     temperature: float = 1.0
+    # Nucleus sampling; the recomputed log-probs honour it through vLLM's processed log-probs.
     top_p: float = 1.0
     # -1 disables top-k.
     top_k: int = -1

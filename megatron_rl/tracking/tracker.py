@@ -9,6 +9,7 @@ import json
 import math
 import os
 import time
+import uuid
 from pathlib import Path
 
 from megatron_rl.tracking.config import TrackingConfig
@@ -49,7 +50,7 @@ class Tracker:
         os.environ.setdefault("WANDB_DIR", str(self.run_dir))
         os.environ.setdefault("WANDB_CACHE_DIR", str(self.run_dir / ".wandb_cache"))
         os.environ.setdefault("WANDB_SILENT", "true")
-        self.wandb_run_id = self.wandb_run_id or wandb.util.generate_id()
+        self.wandb_run_id = self.wandb_run_id or uuid.uuid4().hex[:12]
         # resume="allow": a resumed training run continues the same W&B run (same id).
         self._wandb = wandb.init(
             project=self.cfg.wandb_project, entity=self.cfg.wandb_entity or None,

@@ -99,7 +99,8 @@ def export_hf(ctx, out_dir: Path) -> None:
     """A Hugging Face checkpoint of the current policy (config and tokenizer from the base model)."""
     from safetensors.torch import save_file
 
-    tensors = {name: t.contiguous().clone() for name, t in ctx.policy.export_hf_weights()}
+    # Collective: every rank drains the iterator; only global rank 0 receives the full tensors.
+    tensors = {name: t.contiguous().clone() for name, t in ctx.policy.export_hf_weights() if t is not None}
     if not ctx.is_driver:
         return
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -100,11 +100,8 @@ class TrainerConfig(ConfigBase):
     keep_checkpoints: int = 2
     # Start the first stage from this checkpoint directory (a stage's `final`) instead of model.path.
     init_from: str = ""
-    # Seconds a collective or engine call may wait before the run fails with a named error.
-    timeout_s: float = 600.0
 
     def validate(self) -> None:
         super().validate()
         self.check_range("save_every", lo=0)
         self.check_range("keep_checkpoints", lo=1)
-        self.check_range("timeout_s", lo=0.0, lo_open=True)

@@ -97,11 +97,11 @@ def build_context(cfg) -> Context:
     from megatron_rl.models import MegatronPolicy, init_distributed
     from megatron_rl.rewards import RewardManager
     from megatron_rl.rollout import make_engine
-    from megatron_rl.sync import build_weight_sync
+    from megatron_rl.sync.base import build_weight_sync
     from megatron_rl.tracking import Tracker
 
     run = RunDir(cfg.trainer.run_dir)
-    groups = init_distributed(cfg.policy.parallel, timeout_s=cfg.trainer.timeout_s)
+    groups = init_distributed(cfg.policy.parallel, seed=cfg.policy.seed)
     model_path = cfg.model.path or str(run.root / "base_model")
     if groups.rank == 0:
         prepare_inputs(cfg, run)

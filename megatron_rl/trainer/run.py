@@ -31,6 +31,8 @@ def run(cfg, only_stage: str | None = None) -> int:
         first = stages[0].name == cfg.stages[0].name
         if first and cfg.sft.enabled:
             run_sft(ctx)
+            if ctx.stop_agreed():
+                return REQUEUE_EXIT_CODE
         if first and not ctx.run.read_run_state().get("eval", {}).get("start"):
             _record_eval(ctx, "start", cfg.stages[0].max_response_len)
         for stage in stages:

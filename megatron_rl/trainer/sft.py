@@ -34,9 +34,11 @@ def run_sft(ctx) -> None:
     state = TrainerState(stage="sft")
     t0 = time.perf_counter()
     for step in range(1, s.max_steps + 1):
+        if ctx.stop_agreed():  # a signal: leave; the cold start restarts when the job is requeued
+            return
         batch = ctx.broadcast(phases.sft_batch(loader.next_batch(), ctx.tokenizer) if ctx.is_driver else None)
-        loss_fn = phases.make_loss_fn(batch, cfg, alpha=0.0, max_response_len=None)
-        m = ctx.policy.train_step(batch, loss_fn, temperature=1.0, with_entropy=False)
+        loss_fn = with_nll(phases.make_loss_fn(batch, cfg, alpha=0.0, max_response_len=None), batch)
+        m = ctx.policy.train_step(batch, loss_fn, temperature=1.0, with_entropy=True)
         state.step = state.global_step = step
         done = s.max_seconds and time.perf_counter() - t0 > s.max_seconds
         if step % s.eval_every == 0 or done or step == s.max_steps:
@@ -52,7 +54,7 @@ def run_sft(ctx) -> None:
         if ctx.is_driver:
             ctx.tracker.log({**m, "sft/lr": lr, "sft/seconds": time.perf_counter() - t0}, step=step, stage="sft")
             if "sft_val/accuracy" in m:
-                log.info("[sft %d] loss=%.4f val_acc=%.3f lr=%.2g", step, m.get("actor/pg_loss", float("nan")),
+                log.info("[sft %d] nll=%.4f val_acc=%.3f lr=%.2g", step, m.get("sft/nll", float("nan")),
                          m["sft_val/accuracy"], lr)
         if done:
             break
@@ -63,3 +65,16 @@ def run_sft(ctx) -> None:
         ctx.run.write_run_state({**ctx.run.read_run_state(), "sft_done": True, "sft_steps": state.step,
                                  "sft_seconds": time.perf_counter() - t0})
         log.info("sft: done after %d steps (%.0f s)", state.step, time.perf_counter() - t0)
+
+
+def with_nll(loss_fn, batch):
+    """Add the token-mean negative log-likelihood to the metrics (the SFT objective's value; the
+    policy loss itself reads -A·ratio = -1 when ratio = 1 and A = 1)."""
+    n_tokens = float(sum(len(s) - p for s, p in zip(batch.sequences, batch.prompt_lens)))
+
+    def wrapped(mb):
+        loss, metrics = loss_fn(mb)
+        nll = -(mb.logp.detach() * mb.mask).sum().item() / n_tokens
+        return loss, {**metrics, "sft/nll": nll}
+
+    return wrapped

@@ -66,3 +66,16 @@ def test_cli_reports_config_errors_without_a_traceback(tmp_path, capsys):
     p = _write(tmp_path, MIN + "rollout: {temperatur: 1.0}\n")
     assert main(["validate", str(p)]) == 2
     assert "rollout.temperatur" in capsys.readouterr().err
+
+
+def test_docs_config_reference_is_current():
+    import contextlib
+    import io
+
+    from megatron_rl.config import reference
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        reference.main()
+    assert (REPO / "docs" / "config.md").read_text() == buf.getvalue(), \
+        "docs/config.md is stale: run `python -m megatron_rl.config.reference > docs/config.md`"
