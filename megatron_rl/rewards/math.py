@@ -20,12 +20,14 @@ Verdicts on seed 002's traps (tested in ``tests/unit/rewards/test_math.py``):
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from megatron_rl.rewards.base import (CORRECT, UNPARSABLE, WRONG, Outcome, RewardItem,
                                       register_reward)
 from megatron_rl.rewards.extract import extract_answer, last_boxed, normalize_ws
 
 _PLAIN_NUMBER = re.compile(r"^[+-]?(\d+)(?:\.(\d+))?$")
+_THOUSANDS = re.compile(r"^[+-]?\d{1,3}(,\d{3})+(\.\d+)?$")
 _PERCENT = re.compile(r"(\\?%|\\text\{\s*percent\s*\}|percent)$")
 _PI_WORDS = ("圆周率",)
 _PI = 3.141592653589793
@@ -41,12 +43,37 @@ def exact_boxed(item: RewardItem, cfg=None) -> Outcome:
     return Outcome(1.0 if ok else 0.0, CORRECT if ok else WRONG, answer)
 
 
+def _number_text(s: str) -> str | None:
+    """``s`` without whitespace and thousands separators; ``None`` if a comma separates a list."""
+    t = normalize_ws(s).replace("{,}", ",")
+    if "," in t:
+        if not _THOUSANDS.match(t):
+            return None  # "1,2,3" is a list, not 123
+        t = t.replace(",", "")
+    return t
+
+
 def _plain_decimal(s: str) -> tuple[float, int] | None:
     """``(value, decimals)`` when ``s`` is a plain decimal number like ``-3.14``, else ``None``."""
-    m = _PLAIN_NUMBER.match(normalize_ws(s).replace("{,}", "").replace(",", ""))
+    m = _PLAIN_NUMBER.match(_number_text(s) or "")
     if not m:
         return None
     return float(m.group(0)), len(m.group(2) or "")
+
+
+def _plain_numbers_verdict(gold: str, pred: str) -> bool | None:
+    """Fast path (math-verify's LaTeX parse costs milliseconds): two plain numbers that are equal
+    are right; two unequal integers are wrong; anything else (decimals that math-verify might
+    round together, expressions) returns ``None`` and goes through the full check."""
+    g, p = _plain_decimal(gold), _plain_decimal(pred)
+    if g is None or p is None:
+        return None
+    gd, pd = Decimal(_number_text(gold)), Decimal(_number_text(pred))
+    if gd == pd:
+        return True
+    if g[1] == 0 and p[1] == 0:
+        return False
+    return None
 
 
 def _strip_percent(s: str) -> tuple[str, bool]:
@@ -128,6 +155,9 @@ def math_reward(item: RewardItem, cfg) -> Outcome:
     if answer is None or not answer.strip():
         return Outcome(0.0, UNPARSABLE)
     gold = str(item.ground_truth)
+    fast = _plain_numbers_verdict(gold, answer)
+    if fast is not None:
+        return Outcome(1.0 if fast else 0.0, CORRECT if fast else WRONG, answer)
     gold_parsed = parse(_latex(gold), parsing_timeout=mcfg.parse_timeout_s)
     pred_parsed = parse(_latex(answer), parsing_timeout=mcfg.parse_timeout_s)
     if not pred_parsed:

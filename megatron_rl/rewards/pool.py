@@ -36,9 +36,20 @@ def _resolve(module: str, name: str) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
+def _address_space_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _worker_main(conn, preload: tuple[str, ...], memory_mb: int) -> None:
-    if memory_mb > 0:
-        limit = memory_mb * 1024 * 1024
+    if memory_mb > 0:  # on top of what the interpreter already maps (spawn may import __main__)
+        limit = _address_space_bytes() + memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     for module in preload:
         warmup = getattr(importlib.import_module(module), "warmup", None)
@@ -93,6 +104,7 @@ class HardTimeoutPool:
         self._start_timeout_s = start_timeout_s
         self._workers = [self._spawn() for _ in range(num_workers)]
         self.restarts = 0
+        self._next_id = 0
         self._closed = False
 
     def _spawn(self) -> _Worker:
@@ -106,8 +118,13 @@ class HardTimeoutPool:
     def run(self, tasks: list[tuple[Callable, tuple, float]]) -> list[TaskResult]:
         if self._closed:
             raise RuntimeError("pool is closed")
+        for i, w in enumerate(self._workers):
+            if w.task is not None:  # left busy by an interrupted run: its answer would be stale
+                self._replace(i)
         results: list[TaskResult | None] = [None] * len(tasks)
         pending = list(range(len(tasks)))[::-1]  # pop() takes the next in order
+        base = self._next_id  # ids are unique across runs; a late answer from before is ignored
+        self._next_id += len(tasks)
         done = 0
         while done < len(tasks):
             now = time.monotonic()
@@ -116,7 +133,7 @@ class HardTimeoutPool:
                     t = pending.pop()
                     fn, args, timeout_s = tasks[t]
                     try:
-                        w.conn.send((t, fn.__module__, fn.__qualname__, args))
+                        w.conn.send((base + t, fn.__module__, fn.__qualname__, args))
                     except (BrokenPipeError, OSError):
                         pending.append(t)
                         self._replace(i)
@@ -147,9 +164,11 @@ class HardTimeoutPool:
                     elif msg[0] == "ready":
                         w.ready = True
                     else:
-                        t, status, value = msg
-                        results[t] = TaskResult(status, value if status == "ok" else None,
-                                                "" if status == "ok" else value)
+                        tid, status, value = msg
+                        if tid - base != w.task:
+                            continue  # stale
+                        results[w.task] = TaskResult(status, value if status == "ok" else None,
+                                                     "" if status == "ok" else value)
                         w.task = None
                         done += 1
             now = time.monotonic()

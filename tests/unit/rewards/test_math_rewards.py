@@ -64,6 +64,11 @@ TRAPS = [
     # 3 real roots vs 7 roots: a superset is not the answer.
     ("1, 2, 3", "\\boxed{1, 2, 3, i, -i, 2i, -2i}", 0.0),
     ("1, 2, 3", "\\boxed{3, 1, 2}", 1.0),
+    # plain numbers (the fast path): thousands separators, trailing zeros, lists are not numbers
+    ("1234", "\\boxed{1,234}", 1.0),
+    ("4.50", "\\boxed{4.5}", 1.0),
+    ("12", "\\boxed{13}", 0.0),
+    ("1,2", "\\boxed{12}", 0.0),
     # ordinary equivalences
     ("\\frac{1}{2}", "\\boxed{0.5}", 1.0),
     ("x=2", "\\boxed{2}", 1.0),
@@ -99,3 +104,21 @@ def test_unparsable_is_counted_as_such():
 def test_exact_boxed(gt, response, want):
     out = exact_boxed(RewardItem(response, gt, "exact_boxed"))
     assert (out.score, out.status) == want
+
+
+def test_plain_number_fast_path_agrees_with_math_verify():
+    """The fast path must give math-verify's own verdict on plain numbers."""
+    import random
+
+    from math_verify import parse, verify
+
+    rng = random.Random(0)
+    pairs = [("7", "7"), ("7", "8"), ("-3", "-3"), ("0.5", ".5"), ("1.000", "1"), ("2.5", "2.50"),
+             ("0.1234567", "0.1234568"), ("10", "10.0"), ("1,000", "1000")]
+    for _ in range(20):
+        a = rng.choice([str(rng.randrange(-999, 999)), f"{rng.uniform(-50, 50):.{rng.randrange(1, 4)}f}"])
+        b = rng.choice([a, str(rng.randrange(-999, 999)), a + "0" if "." in a else a + ".0"])
+        pairs.append((a, b))
+    for gt, pred in pairs:
+        want = verify(parse(f"${gt}$"), parse(f"${pred}$"))
+        assert verdict(gt, f"\\boxed{{{pred}}}")[0] == float(want), (gt, pred)
