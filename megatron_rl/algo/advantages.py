@@ -11,13 +11,16 @@ statistics, advantage then set to 0).
 from __future__ import annotations
 
 import math
+from typing import get_args
 
 import torch
 from torch import Tensor
 
-from megatron_rl.algo.config import AlgoConfig
+from megatron_rl.algo.config import AlgoConfig, TruncationMask
 from megatron_rl.algo.groups import check_group_inputs, group_index, group_mean_std
 from megatron_rl.algo.registry import ADV_ESTIMATORS, register_adv_estimator
+
+TRUNCATION_MASKS = get_args(TruncationMask)
 
 
 def _group_centered(rewards: Tensor, index: Tensor, in_stats: Tensor, num_groups: int,
@@ -68,6 +71,11 @@ def compute_advantages(rewards: Tensor, group_ids: Tensor, truncated: Tensor,
     ``group_ids`` [B] integer (same id = same prompt), ``truncated`` [B] bool (hit max length).
     """
     check_group_inputs(rewards, group_ids, truncated=truncated)
+    if cfg.adv_estimator not in ADV_ESTIMATORS:
+        raise ValueError(f"algo.adv_estimator: {ADV_ESTIMATORS.unknown_message(cfg.adv_estimator)}")
+    if cfg.truncation_mask not in TRUNCATION_MASKS:
+        raise ValueError(f"algo.truncation_mask: unknown strategy {cfg.truncation_mask!r}; valid "
+                         f"strategies are {list(TRUNCATION_MASKS)}")
     estimator = ADV_ESTIMATORS[cfg.adv_estimator]
     r = rewards.detach().to(torch.float64)
     index, num_groups = group_index(group_ids)

@@ -7,9 +7,13 @@ SUM to the mini-batch loss whatever the split.
 
 from __future__ import annotations
 
+from typing import get_args
+
 from torch import Tensor
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from megatron_rl.algo.config import LossAgg
+
+LOSS_AGG_MODES = get_args(LossAgg)
 
 
 def aggregate(values: Tensor, mask: Tensor, mode: str, *, token_denominator: float,

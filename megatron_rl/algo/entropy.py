@@ -1,7 +1,8 @@
 """Entropy term: the adaptive coefficient controller (Skywork-OR1) and the sampled-token estimate.
 
-Adaptive control, step k with measured mean entropy e_k (the old-log-prob pass of the step, before
-the update) and coefficient state c_k (c_0 = ``coef``):
+Adaptive control: each ``update(e_k)`` with the latest measured mean token entropy e_k (the
+old-log-prob pass of the step, or, strictly on-policy without a recompute, the previous update's
+forward) and coefficient state c_k (c_0 = ``coef``) sets the alpha of the next loss computations:
     alpha_k = c_k if e_k <= target else 0          (the term only applies below target)
     c_{k+1} = clamp(c_k + delta if e_k < target, c_k - delta if e_k > target, coef_min, coef_max)
 "fixed" mode: alpha = coef at every step; "off": alpha = 0.
@@ -32,7 +33,7 @@ class EntropyController:
         return self._alpha
 
     def update(self, mean_entropy: float) -> dict[str, float]:
-        """Set this step's alpha from the step's mean token entropy; advance the adaptive state."""
+        """Set alpha from the latest mean token entropy; advance the adaptive state."""
         entropy = float(mean_entropy)
         if not math.isfinite(entropy):
             raise ValueError(f"mean_entropy: must be finite, got {mean_entropy!r}")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 from torch import Tensor
 
-from megatron_rl.algo.config import AlgoConfig
+from megatron_rl.algo.config import AlgoConfig, KLEstimator
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+KL_ESTIMATORS = get_args(KLEstimator)
 
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:

@@ -10,13 +10,14 @@ Weights carry no gradient.
 from __future__ import annotations
 
 import math
+from typing import get_args
 
 import torch
 from torch import Tensor
 
-from megatron_rl.algo.config import MismatchConfig
+from megatron_rl.algo.config import MismatchConfig, MismatchMode
 
-MISMATCH_MODES = ("none", "tis_token", "tis_seq", "icepop")
+MISMATCH_MODES = get_args(MismatchMode)
 
 
 def mismatch_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor,

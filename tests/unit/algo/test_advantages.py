@@ -139,3 +139,11 @@ def test_non_bool_truncated_and_float_group_ids_refused():
 def test_nan_reward_error_names_the_row():
     with pytest.raises(ValueError, match="at row 1"):
         advantages([1.0, float("nan"), 0.0], [0, 0, 0])
+
+
+@pytest.mark.parametrize("kwargs, name", [({"adv_estimator": "rloo"}, "algo.adv_estimator"),
+                                          ({"truncation_mask": "later"}, "algo.truncation_mask")])
+def test_unknown_modes_in_an_unvalidated_config_named(kwargs, name):
+    with pytest.raises(ValueError, match=f"^{name}: unknown"):
+        compute_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), torch.tensor([F, F]),
+                           AlgoConfig(**kwargs))
