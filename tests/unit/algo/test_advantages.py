@@ -99,7 +99,7 @@ batches = st.integers(1, 24).flatmap(lambda n: st.tuples(
     st.lists(st.booleans(), min_size=n, max_size=n)))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(batch=batches, mode=st.sampled_from(["none", "before", "after"]),
        estimator=st.sampled_from(["grpo", "dr_grpo"]), norm=st.booleans())
 def test_vectorised_matches_loop_reference(batch, mode, estimator, norm):

@@ -38,7 +38,7 @@ def test_thresholds_for_other_reward_scales():
     assert keep == [False] * 4 and (m["filter/all_correct"], m["filter/all_wrong"]) == (1, 1)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(data=st.integers(1, 30).flatmap(lambda n: st.tuples(
     st.lists(st.sampled_from([0.0, 1.0, 0.5, 0.2]), min_size=n, max_size=n),
     st.lists(st.integers(0, 6), min_size=n, max_size=n))), on=st.booleans())
