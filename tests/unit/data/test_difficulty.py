@@ -129,6 +129,18 @@ def test_run_writes_annotated_dataset_and_summary(tmp_path):
     kept, stats = load_prompts(tmp_path / "out.jsonl", tok,
                                DataConfig(keep_labels=["hard", "mixed"], pass_rate_max=0.9))
     assert [r.ground_truth for r in kept] == ["61"] and stats["filtered_label"] == 3
+    # the same through parquet (a verl user's format), source rows 2..4 only so one is unlabelled
+    import pandas as pd
+
+    pd.DataFrame(rows[1:]).to_parquet(tmp_path / "toy.parquet")
+    recs, _ = load_prompts(tmp_path / "toy.parquet", tok)
+    from megatron_rl.data.difficulty import label_prompt, write_annotated
+
+    labels = [label_prompt([True, False], ["1", "2"]) for _ in recs[:2]]  # row 3 left unlabelled
+    write_annotated(tmp_path / "toy.parquet", tmp_path / "ann.parquet", recs[:2], labels)
+    kept, stats = load_prompts(tmp_path / "ann.parquet", tok, DataConfig(keep_labels=["mixed"]))
+    assert [r.ground_truth for r in kept] == ["8", "61"] and stats["filtered_unannotated"] == 1
+    assert kept[0].extra["index"] == 1
 
 
 def test_config_is_validated():
