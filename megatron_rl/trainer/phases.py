@@ -71,9 +71,7 @@ def rollout_metrics(ro: Rollout, correct_reward: float) -> dict:
 def make_batch(ro: Rollout, cfg) -> tuple[SequenceBatch | None, dict]:
     """Filter zero-variance groups, compute advantages, and lay the rollout out for the policy."""
     adv, m_adv = compute_advantages(ro.rewards, ro.group_ids, ro.truncated, cfg.algo)
-    keep, m_filter = filter_groups(ro.rewards, ro.group_ids, cfg.algo)
-    if not cfg.algo.filter_zero_variance_groups:
-        keep = torch.ones_like(keep)
+    keep, m_filter = filter_groups(ro.rewards, ro.group_ids, cfg.algo)  # all kept when filtering is off
     idx = keep.nonzero().flatten().tolist()
     metrics = {**m_adv, **m_filter, "batch/sequences": float(len(idx))}
     if not idx:
