@@ -18,4 +18,4 @@ def test_tp2_vocab_parallel_equals_tp1():
            str(WORKER)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert "OK 5 vocab-parallel cases" in proc.stdout
+    assert "OK 5 vocab-parallel cases + processed" in proc.stdout
