@@ -5,8 +5,9 @@ Layers, strongest available first (``Sandbox.mode`` says which one is active):
 * ``root_ns`` (running as root, `unshare` + `setpriv` present): new network, PID and mount
   namespaces; fresh tmpfs over every world-writable directory (/tmp, /var/tmp, /dev/shm,
   /run/lock); the program runs as a private uid drawn per run (so RLIMIT_NPROC counts only its own
-  processes: root ignores RLIMIT_NPROC, which is why we never run programs as root); it is PID 1 of
-  its namespace, so when it exits or is killed every process it started dies with it.
+  processes: root ignores RLIMIT_NPROC, which is why we never run programs as root); a wrapper
+  shell is PID 1 of the namespace, so when the program exits or is killed every process it
+  started dies with it.
 * ``userns`` (not root, unprivileged user namespaces allowed): the same namespaces inside a user
   namespace; the program keeps the caller's uid outside, so RLIMIT_NPROC is set to the caller's
   current process count plus ``max_procs``, and files the caller can write stay writable.
@@ -101,6 +102,17 @@ def _pids_of_uid(uid: int) -> list[int]:
     return out
 
 
+def _threads_of_uid(uid: int) -> int:
+    """Threads (what RLIMIT_NPROC counts) of all processes owned by ``uid``."""
+    n = 0
+    for pid in _pids_of_uid(uid):
+        try:
+            n += len(os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            pass
+    return n
+
+
 class Sandbox:
     def __init__(self, cfg: SandboxConfig | None = None):
         global _warned_unisolated
@@ -132,9 +144,12 @@ class Sandbox:
             f"if [ -d {d} ]; then mount -t tmpfs -o size={self.cfg.file_size_mb}m,mode=1777,"
             f"nosuid,nodev tmpfs {d}; fi;" for d in _WORLD_WRITABLE)
         # cd first: the working directory stays reachable as "." after /tmp is covered, and is
-        # bind-mounted at /tmp/work (programs resolve their own paths through getcwd()).
+        # bind-mounted at /tmp/work (programs resolve their own paths through getcwd()). The
+        # shell stays PID 1 and waits, so a program killed by signal N exits as 128 + N (unshare
+        # cannot re-raise every signal on itself).
         script = (f"set -e; cd {shlex.quote(workdir)}; {mounts} mkdir -p {_INNER_WORKDIR}; "
-                  f"mount --no-canonicalize --bind . {_INNER_WORKDIR}; cd {_INNER_WORKDIR}; exec \"$@\"")
+                  f"mount --no-canonicalize --bind . {_INNER_WORKDIR}; cd {_INNER_WORKDIR}; set +e; \"$@\"; "
+                  "rc=$?; exit $rc")
         inner = list(argv)
         if self.mode == "root_ns":
             inner = [shutil.which("setpriv", path=_SAFE_PATH), f"--reuid={uid}", f"--regid={uid}",
@@ -170,11 +185,10 @@ class Sandbox:
         if self.mode == "root_ns":
             uid = self.cfg.uid_base + random.SystemRandom().randrange(self.cfg.uid_span)
             nproc = self.cfg.max_procs
-        elif self.mode == "userns":
-            nproc = len(_pids_of_uid(os.getuid())) + self.cfg.max_procs
-        else:
-            nproc = (len(_pids_of_uid(os.getuid())) + self.cfg.max_procs
-                     if os.geteuid() != 0 else self.cfg.max_procs)
+        elif os.geteuid() != 0:  # RLIMIT_NPROC counts all our threads: allow max_procs more
+            nproc = _threads_of_uid(os.getuid()) + self.cfg.max_procs
+        else:  # "none" as root: RLIMIT_NPROC does not bind root at all
+            nproc = self.cfg.max_procs
         root = self.cfg.work_root or None
         base = tempfile.mkdtemp(prefix="mrl-sandbox-", dir=root)  # 0700, owned by us
         try:
@@ -218,6 +232,8 @@ class Sandbox:
             self._kill_group(proc.pid)
         if uid is not None:
             self._reap_uid(uid)
+        if self.mode != "none" and not timed_out and rc is not None and 128 < rc < 128 + 65:
+            rc = -(rc - 128)  # the shell's "killed by signal" status, as subprocess reports it
         wall = time.monotonic() - t0
         return SandboxResult(rc, self._read(out_path), self._read(err_path), timed_out, wall)
 

@@ -27,7 +27,7 @@ SECRET = "sk-test-" + uuid.uuid4().hex
 
 
 def _cfg(**kw) -> SandboxConfig:
-    base = dict(timeout_s=3.0, cpu_s=3, memory_mb=256, max_procs=8, file_size_mb=4)
+    base = dict(timeout_s=10.0, cpu_s=5, memory_mb=256, max_procs=8, file_size_mb=4)
     base.update(kw)
     return SandboxConfig(**base)
 
@@ -196,11 +196,13 @@ def test_infinite_loop_is_killed(sandbox):
 
 
 def test_cpu_limit_stops_a_busy_program_before_the_wall_clock():
-    sandbox = Sandbox(_cfg(cpu_s=1, timeout_s=30.0))
-    t0 = time.monotonic()
+    import signal
+
+    sandbox = Sandbox(_cfg(cpu_s=1, timeout_s=60.0))
     res = sandbox.run_python("while True:\n    pass\n")
-    assert not res.timed_out and res.returncode != 0
-    assert time.monotonic() - t0 < 15.0
+    # killed by RLIMIT_CPU (SIGXCPU at the soft limit, SIGKILL at the hard one), not the timeout
+    assert not res.timed_out
+    assert res.returncode in (-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU)
 
 
 def test_memory_bomb_fails_inside(sandbox):
@@ -247,3 +249,23 @@ def test_isolation_required_but_unavailable(monkeypatch):
     with pytest.raises(SandboxUnavailable, match="require_isolation"):
         sb.Sandbox(_cfg())
     assert sb.Sandbox(_cfg(require_isolation=False)).mode == "none"
+
+
+def test_userns_mode_command_path(monkeypatch):
+    """The non-root path (user namespace) runs programs cut off from the network; exercised here
+    as root by forcing the mode (the uid mapping is the caller's, so only the namespaces count)."""
+    import megatron_rl.rewards.sandbox as sb
+
+    if not sb._probe(["unshare", "--user", "--map-root-user", *sb._NS_FLAGS, "--", "true"]):
+        pytest.skip("unprivileged user namespaces refused here")
+    monkeypatch.setattr(sb, "isolation_mode", lambda: "userns")
+    res = sb.Sandbox(_cfg()).run_python(textwrap.dedent("""
+        import os, socket
+        print(os.getpid())
+        try:
+            socket.create_connection(("1.1.1.1", 53), timeout=1)
+        except OSError:
+            print("blocked")
+        """))
+    pid, verdict = res.stdout.split()
+    assert res.returncode == 0 and int(pid) < 100 and verdict == "blocked"  # own PID namespace (host pids run to 32768)
