@@ -94,16 +94,18 @@ class RewardManager:
                 else:
                     outcomes[i] = Outcome(0.0, ERROR, detail=res.error)
 
-        judge_calls, flips = 0, 0
+        judge_calls, flips, judge_errors = 0, 0, 0
         if judged_main:
             for i, out in zip(judged_main, judge_batch([items[i] for i in judged_main], jcfg)):
                 outcomes[i] = out
+                judge_errors += out.status == ERROR
             judge_calls += len(judged_main)
         if jcfg.mode == "fallback":
             retry = [i for i, s in enumerate(styles)
                      if s in jcfg.styles and i not in main_set and outcomes[i].status != CORRECT]
             for i, out in zip(retry, judge_batch([items[i] for i in retry], jcfg)):
                 outcomes[i].detail = (outcomes[i].detail + f" judge:{out.status}").strip()
+                judge_errors += out.status == ERROR
                 if out.status == CORRECT:
                     outcomes[i] = Outcome(1.0, CORRECT, outcomes[i].extracted, "judge_fallback")
                     flips += 1
@@ -121,6 +123,7 @@ class RewardManager:
             "reward/unparsable": float(counts[UNPARSABLE]),
             "reward/judge_calls": float(judge_calls),
             "reward/judge_flips": float(flips),
+            "reward/judge_errors": float(judge_errors),
             "reward/worker_restarts": float((self._pool.restarts if self._pool else 0)
                                             - restarts_before),
         }

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal
+from itertools import product
 
-from megatron_rl.rewards.base import (CORRECT, UNPARSABLE, WRONG, Outcome, RewardItem,
+from megatron_rl.rewards.base import (CORRECT, TIMEOUT, UNPARSABLE, WRONG, Outcome, RewardItem,
                                       register_reward)
 from megatron_rl.rewards.extract import extract_answer, last_boxed, normalize_ws
 
@@ -148,7 +149,7 @@ def warmup() -> None:
 @register_reward("math", pooled=True, timeout_section="math")
 def math_reward(item: RewardItem, cfg) -> Outcome:
     """math-verify on the extracted answer, plus the percent and π rules (see the module doc)."""
-    from math_verify import parse, verify
+    from math_verify import parse
 
     mcfg = cfg.math
     answer = extract_answer(item.response, fallback_last_number=mcfg.fallback_last_number)
@@ -164,10 +165,30 @@ def math_reward(item: RewardItem, cfg) -> Outcome:
         if mcfg.percent_equivalence and _percent_equal(gold, answer):
             return Outcome(1.0, CORRECT, answer, "percent")
         return Outcome(0.0, UNPARSABLE, answer)
-    if gold_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=mcfg.verify_timeout_s):
+    verdict = _verify(gold_parsed, pred_parsed, mcfg.verify_timeout_s)
+    if verdict is True:
         return Outcome(1.0, CORRECT, answer)
     if mcfg.percent_equivalence and _percent_equal(gold, answer):
         return Outcome(1.0, CORRECT, answer, "percent")
     if mcfg.pi_tolerance and _pi_equal(gold, _latex(answer).strip("$"), gold_parsed, pred_parsed):
         return Outcome(1.0, CORRECT, answer, "pi")
+    if verdict is None:
+        return Outcome(0.0, TIMEOUT, answer, "math-verify comparison timed out")
     return Outcome(0.0, WRONG, answer)
+
+
+def _verify(gold_parsed, pred_parsed, timeout_s: int) -> bool | None:
+    """math-verify's any-pair comparison, except that a timeout is reported (``None``), not
+    silently scored as a mismatch. Other comparison errors count as a mismatch, as in math-verify."""
+    from math_verify import verify
+    from math_verify.errors import TimeoutException
+
+    for g, p in product(gold_parsed, pred_parsed):
+        try:
+            if verify(g, p, timeout_seconds=timeout_s, raise_on_error=True):
+                return True
+        except TimeoutException:
+            return None  # one timeout is enough: the budget is per response, not per pair
+        except Exception:  # noqa: BLE001 (math-verify's own behaviour: an error is "not equal")
+            continue
+    return False

@@ -125,6 +125,7 @@ def test_reply_without_verdict_is_an_error_and_fallback_keeps_the_rule_score(ser
     with RewardManager(_cfg(server, "fallback")) as mgr:
         scores, metrics, details = mgr.score(ITEMS, return_details=True)
     assert scores == [1.0, 0.0, 0.0] and metrics["reward/judge_flips"] == 0.0
+    assert metrics["reward/judge_errors"] == 2.0 and metrics["reward/errors"] == 0.0
     assert "judge:error" in details[1]["detail"]
 
 

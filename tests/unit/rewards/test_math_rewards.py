@@ -122,3 +122,10 @@ def test_plain_number_fast_path_agrees_with_math_verify():
     for gt, pred in pairs:
         want = verify(parse(f"${gt}$"), parse(f"${pred}$"))
         assert verdict(gt, f"\\boxed{{{pred}}}")[0] == float(want), (gt, pred)
+
+
+def test_soft_timeout_is_reported_as_timeout():
+    cfg = RewardConfig()
+    cfg.math.verify_timeout_s = 1  # math-verify's SIGALRM (we are in the main thread here)
+    out = math_reward(RewardItem("\\boxed{9^{9^{9}}}", "3", "math"), cfg)
+    assert (out.score, out.status) == (0.0, "timeout")
