@@ -6,13 +6,14 @@ VENV ?= $(HOME)/.cache/megatron-rl/venv
 export MEGATRON_RL_VENV := $(VENV)
 RUN_DIR ?= runs/demo
 PYTEST_ARGS ?=
+ARGS ?=
 
 .PHONY: demo test setup lint
 setup:
 	bash scripts/bootstrap.sh
 
 demo: setup
-	$(VENV)/bin/megatron-rl demo --run-dir $(RUN_DIR)
+	$(VENV)/bin/megatron-rl demo --run-dir $(RUN_DIR) $(ARGS)
 
 test: setup
 	bash scripts/test.sh $(PYTEST_ARGS)

@@ -44,7 +44,7 @@ def _load(ctx, ckpt: Path, stage_name: str, resume: bool) -> TrainerState:
     if not resume:  # a new stage: counters restart, the run-wide ones carry over
         state = TrainerState(stage=stage_name, global_step=state.global_step,
                              weight_version=state.weight_version, data_loader=state.data_loader,
-                             entropy_controller=state.entropy_controller)
+                             entropy_controller=state.entropy_controller, grpo_seconds=state.grpo_seconds)
     return state
 
 

@@ -64,6 +64,10 @@ class SFTConfig(ConfigBase):
     stop_accuracy: float = 0.25
     # Wall-clock cap in seconds (0: none). The threshold, not the clock, is the intended stop.
     max_seconds: float = 0.0
+    # Control experiment after the GRPO stages: from the cold start's checkpoint, train SFT for as
+    # long as the GRPO stages took, and report its held-out accuracy beside GRPO's (summary.json
+    # "control"): how much of the gain RL itself adds.
+    control: bool = False
 
     def validate(self) -> None:
         super().validate()

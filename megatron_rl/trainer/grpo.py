@@ -67,6 +67,7 @@ def train_stage(ctx, stage) -> None:
         metrics.update(ctx.entropy_ctl.update(metrics["actor/entropy"]) if "actor/entropy" in metrics else {})
         metrics["actor/entropy_coef"] = ctx.entropy_ctl.alpha
         metrics.update(timer.metrics())
+        state.grpo_seconds += metrics["timing/step"]
         if cfg.eval.every and state.step % cfg.eval.every == 0 and state.step < stage.max_steps:
             metrics.update(evaluate(ctx, stage.max_response_len))
             if plateaued(ctx, state, stage, metrics.get("eval/accuracy")):

@@ -8,7 +8,8 @@ import logging
 from megatron_rl.trainer.context import REQUEUE_EXIT_CODE, build_context
 from megatron_rl.trainer.evaluate import evaluate
 from megatron_rl.trainer.grpo import train_stage
-from megatron_rl.trainer.sft import run_sft
+from megatron_rl.trainer.sft import run_sft, run_sft_control
+from megatron_rl.trainer.state import RunDir
 
 log = logging.getLogger("megatron_rl")
 
@@ -44,11 +45,27 @@ def run(cfg, only_stage: str | None = None) -> int:
                 log.warning("stopped on a signal; exit %d asks the scheduler to requeue", REQUEUE_EXIT_CODE)
                 return REQUEUE_EXIT_CODE
             _record_eval(ctx, stage.name, stage.max_response_len)
+        if cfg.sft.enabled and cfg.sft.control and not only_stage:
+            control(ctx)
         if ctx.is_driver:
             write_summary(ctx)
         return 0
     finally:
         close(ctx)
+
+
+def control(ctx) -> None:
+    """SFT for as long as GRPO took, from the cold start (see run_sft_control); once per run."""
+    rs = ctx.run.read_run_state() if ctx.is_driver else {}
+    if ctx.broadcast("control" in rs):
+        return
+    last = ctx.run.final_dir(ctx.cfg.stages[-1].name)
+    st = ctx.broadcast(RunDir.read_state(last) if ctx.is_driver else None)
+    m = run_sft_control(ctx, st.grpo_seconds, step_offset=st.global_step)
+    if ctx.is_driver and m:
+        ctx.run.write_run_state({**ctx.run.read_run_state(), "control": m})
+        log.info("control: %d more SFT steps in %.0f s -> held-out accuracy %.3f",
+                 m["control/sft_steps"], m["control/seconds"], m["control/accuracy"])
 
 
 def write_summary(ctx) -> dict:
@@ -69,6 +86,15 @@ def write_summary(ctx) -> dict:
         "sft_steps": rs.get("sft_steps"),
         "sft_seconds": rs.get("sft_seconds"),
     }
+    if "control" in rs:
+        c = rs["control"]
+        summary["control"] = {
+            "what": "SFT from the cold start for the same wall time as the GRPO stages",
+            "accuracy_after_more_sft": c["control/accuracy"], "sft_steps": c["control/sft_steps"],
+            "seconds": c["control/seconds"],
+            "gain_points": None if start is None else 100.0 * (c["control/accuracy"] - start),
+            "grpo_minus_control_points": None if end is None else 100.0 * (end - c["control/accuracy"]),
+        }
     (ctx.run.root / "summary.json").write_text(json.dumps(summary, indent=1))
     plot_run(ctx.run.root / "metrics.jsonl", ctx.run.root / "report.png")
     ctx.tracker.summary({k: v for k, v in summary.items() if isinstance(v, (int, float))})

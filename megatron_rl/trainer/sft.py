@@ -21,50 +21,78 @@ log = logging.getLogger("megatron_rl")
 
 
 def run_sft(ctx) -> None:
-    cfg, s = ctx.cfg, ctx.cfg.sft
+    """The cold start (once per run): SFT until the validation slice reaches ``sft.stop_accuracy``."""
+    s = ctx.cfg.sft
     rs = ctx.run.read_run_state() if ctx.is_driver else {}
     if ctx.broadcast(rs.get("sft_done", False)):
         return
+    t0 = time.perf_counter()
+    state, lr = sft_loop(ctx, "sft", lr=s.lr, stop_accuracy=s.stop_accuracy, max_seconds=s.max_seconds,
+                         max_steps=s.max_steps, step_offset=0, slow_down=True)
+    if state is None:  # stopped by a signal
+        return
+    ctx.policy.set_lr(ctx.cfg.policy.optim.lr)
+    _write(ctx, ctx.run.final_dir("sft"), state, None)
+    if ctx.is_driver:
+        ctx.run.write_run_state({**ctx.run.read_run_state(), "sft_done": True, "sft_steps": state.step,
+                                 "sft_seconds": time.perf_counter() - t0, "sft_final_lr": lr})
+        log.info("sft: done after %d steps (%.0f s)", state.step, time.perf_counter() - t0)
+
+
+def run_sft_control(ctx, seconds: float, step_offset: int) -> dict:
+    """The control experiment DESIGN.md asks for: from the cold start's checkpoint, spend the same
+    wall time the GRPO stages took on *more SFT* (at the cold start's final learning rate), then
+    measure greedy held-out accuracy. Set beside the GRPO gain, it tells how much RL itself added."""
+    ctx.policy.load_checkpoint(str(ctx.run.final_dir("sft") / "policy"))
+    lr = ctx.broadcast(ctx.run.read_run_state().get("sft_final_lr", ctx.cfg.sft.lr) if ctx.is_driver else None)
+    state, _ = sft_loop(ctx, "sft_control", lr=lr, stop_accuracy=2.0, max_seconds=seconds,
+                        max_steps=10**9, step_offset=step_offset, slow_down=False)
+    if state is None:
+        return {}
+    sync_weights(ctx, 10**6 + state.step)
+    m = evaluate(ctx, ctx.cfg.stages[-1].max_response_len)
+    return {"control/accuracy": m.get("eval/accuracy"), "control/sft_steps": state.step,
+            "control/seconds": seconds}
+
+
+def sft_loop(ctx, name: str, *, lr: float, stop_accuracy: float, max_seconds: float, max_steps: int,
+             step_offset: int, slow_down: bool):
+    """SFT steps until the validation slice reaches ``stop_accuracy``, the clock or the step cap.
+    Returns (state, final lr), or (None, lr) when a signal asked the run to stop."""
+    cfg, s = ctx.cfg, ctx.cfg.sft
     loader = val = None
     if ctx.is_driver:
         val = ctx.train_records[-s.eval_size:]
         loader = PromptLoader(ctx.train_records[: -s.eval_size], s.batch_size, seed=cfg.trainer.seed + 1)
-    lr = s.lr
     ctx.policy.set_lr(lr)
-    state = TrainerState(stage="sft")
+    state = TrainerState(stage=name)
     t0 = time.perf_counter()
-    for step in range(1, s.max_steps + 1):
-        if ctx.stop_agreed():  # a signal: leave; the cold start restarts when the job is requeued
-            return
+    for step in range(1, max_steps + 1):
+        if ctx.stop_agreed():  # a signal: leave; SFT restarts from its start when the job is requeued
+            return None, lr
         batch = ctx.broadcast(phases.sft_batch(loader.next_batch(), ctx.tokenizer) if ctx.is_driver else None)
         loss_fn = with_nll(phases.make_loss_fn(batch, cfg, alpha=0.0, max_response_len=None), batch)
         m = ctx.policy.train_step(batch, loss_fn, temperature=1.0, with_entropy=True)
         state.step = state.global_step = step
-        done = s.max_seconds and time.perf_counter() - t0 > s.max_seconds
-        if step % s.eval_every == 0 or done or step == s.max_steps:
+        done = bool(max_seconds) and ctx.broadcast(time.perf_counter() - t0 > max_seconds)
+        if step % s.eval_every == 0 or done or step == max_steps:
             state.weight_version += 1
             sync_weights(ctx, state.weight_version)
-            m.update(evaluate(ctx, cfg.stages[0].max_response_len, records=val, prefix="sft_val"))
-            acc = ctx.broadcast(m.get("sft_val/accuracy", 0.0))
-            if acc >= s.slow_down_at and lr == s.lr:
+            m.update(evaluate(ctx, cfg.stages[0].max_response_len, records=val, prefix=f"{name}_val"))
+            acc = ctx.broadcast(m.get(f"{name}_val/accuracy", 0.0))
+            if slow_down and acc >= s.slow_down_at and lr == s.lr:
                 lr = s.lr * s.slow_down_factor
                 ctx.policy.set_lr(lr)
-            if acc >= s.stop_accuracy:
-                done = True
+            done = done or acc >= stop_accuracy
         if ctx.is_driver:
-            ctx.tracker.log({**m, "sft/lr": lr, "sft/seconds": time.perf_counter() - t0}, step=step, stage="sft")
-            if "sft_val/accuracy" in m:
-                log.info("[sft %d] nll=%.4f val_acc=%.3f lr=%.2g", step, m.get("sft/nll", float("nan")),
-                         m["sft_val/accuracy"], lr)
+            ctx.tracker.log({**m, f"{name}/lr": lr, f"{name}/seconds": time.perf_counter() - t0},
+                            step=step_offset + step, stage=name)
+            if f"{name}_val/accuracy" in m:
+                log.info("[%s %d] nll=%.4f val_acc=%.3f lr=%.2g", name, step, m.get("sft/nll", float("nan")),
+                         m[f"{name}_val/accuracy"], lr)
         if done:
             break
-    ctx.policy.set_lr(cfg.policy.optim.lr)
-    final = ctx.run.final_dir("sft")
-    _write(ctx, final, state, None)
-    if ctx.is_driver:
-        ctx.run.write_run_state({**ctx.run.read_run_state(), "sft_done": True, "sft_steps": state.step,
-                                 "sft_seconds": time.perf_counter() - t0})
-        log.info("sft: done after %d steps (%.0f s)", state.step, time.perf_counter() - t0)
+    return state, lr
 
 
 def with_nll(loss_fn, batch):

@@ -39,6 +39,8 @@ class TrainerState:
     weight_version: int = 0
     data_loader: dict = field(default_factory=dict)
     entropy_controller: dict = field(default_factory=dict)
+    # Wall-clock seconds spent in GRPO steps over the whole run.
+    grpo_seconds: float = 0.0
     best_eval_accuracy: float = -1.0
     evals_without_improvement: int = 0
     rng: dict = field(default_factory=dict)
