@@ -76,6 +76,9 @@ def begin_stage(ctx, stage) -> tuple[TrainerState, PromptLoader | None]:
 
 
 def _write(ctx, ckpt: Path, state: TrainerState, loader) -> None:
+    if ctx.is_driver and ckpt.exists():  # a half-written or superseded checkpoint: start clean
+        shutil.rmtree(ckpt)
+    ctx.barrier()
     ckpt.mkdir(parents=True, exist_ok=True)
     ctx.policy.save_checkpoint(str(ckpt / "policy"))
     if ctx.is_driver:
@@ -113,11 +116,8 @@ def export_hf(ctx, out_dir: Path) -> None:
 
 def finish_stage(ctx, stage, state: TrainerState, loader) -> Path:
     final = ctx.run.final_dir(stage.name)
-    if final.exists() and ctx.is_driver:
-        shutil.rmtree(final)
-    ctx.barrier()
-    export_hf(ctx, final / "hf")
     _write(ctx, final, state, loader)
+    export_hf(ctx, final / "hf")
     if ctx.is_driver:
         rs = ctx.run.read_run_state()
         if stage.name not in rs["finished_stages"]:
