@@ -75,12 +75,15 @@ def begin_stage(ctx, stage) -> tuple[TrainerState, PromptLoader | None]:
     return state, loader
 
 
-def _write(ctx, ckpt: Path, state: TrainerState, loader) -> None:
+def _write(ctx, ckpt: Path, state: TrainerState, loader, also=None) -> None:
+    """Write a checkpoint; ``also(ckpt)`` adds more to it before it is marked complete."""
     if ctx.is_driver and ckpt.exists():  # a half-written or superseded checkpoint: start clean
         shutil.rmtree(ckpt)
     ctx.barrier()
     ckpt.mkdir(parents=True, exist_ok=True)
     ctx.policy.save_checkpoint(str(ckpt / "policy"))
+    if also is not None:
+        also(ckpt)
     if ctx.is_driver:
         state.data_loader = loader.state_dict() if loader is not None else state.data_loader
         state.entropy_controller = ctx.entropy_ctl.state_dict()
@@ -116,8 +119,7 @@ def export_hf(ctx, out_dir: Path) -> None:
 
 def finish_stage(ctx, stage, state: TrainerState, loader) -> Path:
     final = ctx.run.final_dir(stage.name)
-    _write(ctx, final, state, loader)
-    export_hf(ctx, final / "hf")
+    _write(ctx, final, state, loader, also=lambda ckpt: export_hf(ctx, ckpt / "hf"))
     if ctx.is_driver:
         rs = ctx.run.read_run_state()
         if stage.name not in rs["finished_stages"]:
