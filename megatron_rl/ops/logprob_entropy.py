@@ -146,6 +146,9 @@ def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         i = int(torch.nonzero(bad)[0])
         raise ValueError(f"labels[{i}] = {int(lab[i])} outside the vocabulary [0, {v_local * world}) "
                          f"and not ignore_index ({ignore_index})")
+    if lab.numel() == 0:
+        empty = torch.zeros(lead, dtype=torch.float32, device=hidden.device)
+        return empty, (empty.clone() if compute_entropy else None)
     local = lab - rank * v_local
     local = torch.where(valid & (local >= 0) & (local < v_local), local, -1)
 

@@ -138,6 +138,12 @@ def test_leading_dims_and_int32_labels():
     assert_close(ent.reshape(-1), re, 2e-5, "entropy")
 
 
+def test_empty_input():
+    hidden, weight, _ = make(4, 8, 10, torch.float32)
+    logp, ent = fused_logprob_entropy(hidden[:0], weight, torch.zeros(0, dtype=torch.long))
+    assert logp.shape == ent.shape == (0,)
+
+
 def test_bad_input_is_named():
     hidden, weight, labels = make(6, 8, 10, torch.float32)
     labels[4] = 10
