@@ -24,6 +24,9 @@ from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
+# Consecutive worker deaths before "ready" after which the pool gives up (a broken environment).
+_MAX_START_FAILURES = 3
+
 
 @dataclass
 class TaskResult:
@@ -105,6 +108,7 @@ class HardTimeoutPool:
         self._workers = [self._spawn() for _ in range(num_workers)]
         self.restarts = 0
         self._next_id = 0
+        self._start_failures = 0
         self._closed = False
 
     def _spawn(self) -> _Worker:
@@ -152,10 +156,17 @@ class HardTimeoutPool:
                         msg = None
                     if msg is None:  # the worker died
                         if not w.ready:
-                            code = w.proc.exitcode
-                            w.kill()
-                            raise RuntimeError(f"reward worker failed to start (exit code {code}); "
-                                               f"preloaded modules: {self._preload}")
+                            # killed while starting (OOM killer, a user) or broken imports: retry a
+                            # few times, then give up loudly (a broken environment, not a sample)
+                            self._start_failures += 1
+                            if self._start_failures > _MAX_START_FAILURES:
+                                code = w.proc.exitcode
+                                w.kill()
+                                raise RuntimeError(
+                                    f"reward worker failed to start {self._start_failures} times in a "
+                                    f"row (last exit code {code}); preloaded: {self._preload}")
+                            self._replace(i)
+                            continue
                         t = w.task
                         results[t] = TaskResult("error", error=f"worker died (exit {w.proc.exitcode})")
                         done += 1
@@ -163,6 +174,7 @@ class HardTimeoutPool:
                         self._replace(i)
                     elif msg[0] == "ready":
                         w.ready = True
+                        self._start_failures = 0
                     else:
                         tid, status, value = msg
                         if tid - base != w.task:
