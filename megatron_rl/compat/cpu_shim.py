@@ -5,15 +5,17 @@ Megatron-Core 0.16.1 assumes a GPU in a handful of spots even when the model its
 tensor-, pipeline- and data-parallel code paths (incl. the distributed optimizer and distributed
 checkpointing) run on the CPU and give the single-rank numbers exactly:
 
-* ``torch.cuda.current_device`` returns 0 and ``synchronize`` does nothing; ``get_rng_state`` /
-  ``set_rng_state`` / ``manual_seed`` act on the CPU generator (the RNG tracker of
-  ``tensor_parallel.random`` forks "the CUDA RNG", which on the CPU is the CPU RNG);
+* ``torch.cuda.current_device`` returns the CPU device (Megatron allocates with
+  ``device=torch.cuda.current_device()``, also inside backward functions) and ``synchronize`` does
+  nothing; ``get_rng_state`` / ``set_rng_state`` / ``manual_seed`` act on the CPU generator (the RNG
+  tracker of ``tensor_parallel.random`` forks "the CUDA RNG", which on the CPU is the CPU RNG);
 * ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` use the CPU generator;
 * a :class:`~torch.overrides.TorchFunctionMode` redirects tensors that Megatron creates or moves to
-  ``"cuda"`` / ``cuda:N`` / an integer device (e.g. ``device=torch.cuda.current_device()``) to the
-  CPU, turns ``Tensor.cuda()`` into a no-op, and reports CPU float tensors as ``torch.cuda.*Tensor``
-  from the argument-less ``Tensor.type()`` (Megatron asserts on that string in ``clip_grads`` and its
-  optimizers).
+  ``"cuda"`` / ``cuda:N`` / an integer device to the CPU, turns ``Tensor.cuda()`` into a no-op, and
+  reports CPU float tensors as ``torch.cuda.*Tensor`` from the argument-less ``Tensor.type()``
+  (Megatron asserts on that string in ``clip_grads`` and its optimizers). A mode is switched off
+  while it handles a call, so it does not reach into ``backward()``: backward code must use
+  ``current_device()`` (Megatron's does).
 
 Nothing is patched when CUDA is available: :func:`apply_cpu_shim` is then a no-op. It is idempotent.
 The device mode is entered on the calling thread (torch keeps function modes per thread), which is
@@ -80,7 +82,10 @@ def _cpu_manual_seed(seed: int) -> None:
 
 def _patch_torch_cuda() -> None:
     cuda = torch.cuda
-    cuda.current_device = lambda: 0
+    # The CPU device, not 0: backward passes run outside the device mode (a mode is switched off
+    # while it handles a call, here the call to backward), and Megatron's backward functions
+    # allocate with ``device=torch.cuda.current_device()``.
+    cuda.current_device = lambda: _CPU
     cuda.synchronize = lambda device=None: None
     cuda.get_rng_state = _cpu_get_rng_state
     cuda.set_rng_state = _cpu_set_rng_state

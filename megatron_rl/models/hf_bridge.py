@@ -5,7 +5,8 @@
 * :func:`build_model_chunks` builds this rank's Megatron ``GPTModel`` chunk(s) with the local layer
   spec (RMSNorm, SwiGLU, RoPE with the HF theta, GQA, qkv bias, q/k norm, tied or untied embeddings).
 * :func:`load_hf_weights` copies the HF safetensors into any TP x PP layout: fused QKV laid out per
-  query group, gate/up fused into ``linear_fc1``, the vocabulary padded to a multiple of TP.
+  query group, gate/up fused into ``linear_fc1``, the vocabulary padded with zero rows to a
+  multiple of lcm(128, TP) (the policy keeps the padding out of the softmax).
 * :func:`export_hf_weights` yields ``(HF name, full tensor)`` gathered over TP and PP onto global
   rank 0 (other ranks get ``None`` but must iterate too: the gathers are collective).
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,6 +27,8 @@ import torch.distributed as dist
 from megatron_rl.models.parallel import ModelShape, ParallelGroups
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
+# Megatron's vocabulary is padded to a multiple of lcm(VOCAB_MULTIPLE, TP) (see HFArch.padded_vocab).
+VOCAB_MULTIPLE = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +56,13 @@ class HFArch:
                           num_kv_heads=self.num_kv_heads, vocab_size=self.vocab_size)
 
     def padded_vocab(self, tp: int) -> int:
-        """Vocabulary rows in Megatron: the HF vocabulary rounded up to a multiple of TP."""
-        return -(-self.vocab_size // tp) * tp
+        """Vocabulary rows in Megatron: the HF vocabulary rounded up to a multiple of lcm(128, TP).
+
+        The same for every TP that divides 128, so checkpoints move between those layouts; no
+        padding at all for vocabularies that are multiples of 128 (Qwen2.5, Qwen3, Llama 3).
+        """
+        multiple = math.lcm(VOCAB_MULTIPLE, tp)
+        return -(-self.vocab_size // multiple) * multiple
 
 
 def _rope_theta(cfg: dict, path: Path) -> float:
@@ -159,8 +168,9 @@ def transformer_config(arch: HFArch, groups: ParallelGroups, params_dtype: torch
         masked_softmax_fusion=False,
         # Losses are sums over the global batch (see MegatronPolicy.train_step): no averaging.
         calculate_per_token_loss=True,
-        # Micro-batches have different lengths and sizes (token-budget packing).
-        variable_seq_lengths=True,
+        # Micro-batches have different lengths and sizes (token-budget packing); the interleaved
+        # schedule gets one padded shape per step instead (see MegatronPolicy._micro_batches).
+        variable_seq_lengths=groups.vpp == 1,
         moe_token_dispatcher_type="alltoall",  # (dense model; the default refuses variable lengths)
         # batch_p2p_comm with the interleaved schedule corrupts gradients on gloo (DESIGN.md).
         batch_p2p_comm=groups.vpp == 1 or groups.backend != "gloo",
@@ -187,18 +197,18 @@ def _gpt_class():
 def build_model_chunks(arch: HFArch, groups: ParallelGroups, params_dtype: torch.dtype) -> list:
     """This rank's model chunks (one per virtual pipeline stage), randomly initialised."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_rl.models.layers import gpt_block_spec
 
     groups.check_current()
     config = transformer_config(arch, groups, params_dtype)
-    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
     cls = _gpt_class()
     chunks = []
     for vp in range(groups.vpp):
         vp_stage = vp if groups.vpp > 1 else None
         chunks.append(cls(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=gpt_block_spec(config, arch.qk_norm, vp_stage, groups.pp_rank),
             vocab_size=arch.padded_vocab(groups.tp),
             max_sequence_length=arch.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

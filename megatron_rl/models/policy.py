@@ -49,12 +49,12 @@ class _Micro:
     width: int  # T
 
 
-def _make_micro(batch: SequenceBatch, index: list[int], pad_to: int, device) -> _Micro:
+def _make_micro(batch: SequenceBatch, index: list[int], seq_len: int, rows: int, device) -> _Micro:
+    """Inputs ``[rows, seq_len]`` (right-padded; rows beyond ``index`` are padding) and the
+    positions of the response tokens."""
     seqs = [batch.sequences[i] for i in index]
     prompts = [batch.prompt_lens[i] for i in index]
-    seq_len = max(len(s) for s in seqs)
-    seq_len = -(-seq_len // pad_to) * pad_to
-    ids = torch.zeros(len(seqs), seq_len, dtype=torch.long)
+    ids = torch.zeros(rows, seq_len, dtype=torch.long)
     pos_s, pos_b, col, labels = [], [], [], []
     width = max(1, max(len(s) - p for s, p in zip(seqs, prompts)))
     mask = torch.zeros(len(seqs), width, dtype=torch.bool)
@@ -68,7 +68,7 @@ def _make_micro(batch: SequenceBatch, index: list[int], pad_to: int, device) -> 
         mask[r, :n] = True
     cat = lambda xs: torch.cat(xs).to(device)  # noqa: E731
     return _Micro(index=index, input_ids=ids.to(device),
-                  position_ids=torch.arange(seq_len).expand(len(seqs), seq_len).to(device),
+                  position_ids=torch.arange(seq_len).expand(rows, seq_len).to(device),
                   pos_s=cat(pos_s), pos_b=cat(pos_b), col=cat(col), labels=cat(labels),
                   mask=mask.to(device), width=width)
 
@@ -158,8 +158,15 @@ class MegatronPolicy:
         mine = shard_for_dp(lengths, g.dp)[g.dp_rank]
         groups = pack_micro_batches(lengths, mine, self.cfg.micro_batch_tokens,
                                     multiple_of=g.pp if g.vpp > 1 else 1)
-        pad_to = g.tp if g.sequence_parallel else 1
-        return [_make_micro(batch, idx, pad_to, g.device) for idx in groups]
+        pad_to = g.tp if g.sequence_parallel else 1  # sequence parallel splits the sequence
+        shapes = [(-(-max(lengths[i] for i in idx) // pad_to) * pad_to, len(idx)) for idx in groups]
+        if g.vpp > 1:
+            # The interleaved schedule hangs with variable shapes (seen with megatron-core 0.16.1
+            # on gloo): one padded shape for every micro-batch of the step.
+            common = (max(s for s, _ in shapes), max(r for _, r in shapes))
+            shapes = [common] * len(groups)
+        return [_make_micro(batch, idx, seq, rows, g.device)
+                for idx, (seq, rows) in zip(groups, shapes)]
 
     def _token_stats(self, mb: _Micro, hidden: torch.Tensor, chunk, temperature: float,
                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -183,7 +190,7 @@ class MegatronPolicy:
 
         Appends a constant-1 feature to the hidden states and a bias column to the weight: 0 for
         real rows, -1e9 for padding rows, whose probability then underflows to exactly 0. Only used
-        when the HF vocabulary is not a multiple of TP.
+        when Megatron's vocabulary is padded (see ``HFArch.padded_vocab``).
         """
         g = self.groups
         padded = self.arch.padded_vocab(g.tp)
@@ -314,6 +321,16 @@ class MegatronPolicy:
         return hf_bridge.export_hf_weights(self.arch, [m.module for m in self.model], self.groups,
                                            value=lambda p: p.main_grad)
 
+    def set_lr(self, lr: float) -> None:
+        """Change the peak learning rate from the next step on (SFT cold start -> RL, per-stage lr);
+        the schedule's shape (warm-up, decay) is kept."""
+        lr = float(lr)
+        self.scheduler.max_lr = lr
+        self.scheduler.min_lr = min(self.scheduler.min_lr, lr)
+        for group in self.optimizer.param_groups:  # the scheduler reads these first when present
+            group["max_lr"] = lr
+            group["min_lr"] = min(group.get("min_lr", lr), lr)
+
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's (TP/PP-local) Megatron parameters, prefixed by chunk index."""
         for i, chunk in enumerate(self.model):
@@ -321,8 +338,88 @@ class MegatronPolicy:
                 yield f"{i}.{name}", p
 
     # ---------------------------------------------------------------- checkpoints
+    def _sharded_state_dict(self, is_loading: bool) -> dict:
+        sd = {f"model_chunk{i}": chunk.module.sharded_state_dict()
+              for i, chunk in enumerate(self.model)}
+        sd["optimizer"] = self.optimizer.sharded_state_dict(
+            sd, is_loading=is_loading, metadata=_OPTIM_CKPT_METADATA)
+        sd["scheduler"] = self.scheduler.state_dict()
+        sd["steps"] = self.steps
+        return sd
+
     def save_checkpoint(self, ckpt_dir: str | Path) -> None:
-        raise NotImplementedError
+        """Save model, optimizer, LR schedule and step count with Megatron's distributed
+        checkpointing (loadable at another TP x PP x DP layout), plus this rank's RNG states.
+
+        Collective. ``ckpt_dir`` must not exist or be empty.
+        """
+        from megatron.core import dist_checkpointing
+
+        g = self.groups
+        g.check_current()
+        path = Path(ckpt_dir)
+        if g.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            if any(path.iterdir()):
+                raise FileExistsError(f"checkpoint directory {path} is not empty")
+        _barrier(g)
+        dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(path))
+        rng_dir = path / _RNG_DIR
+        if g.rank == 0:
+            rng_dir.mkdir(exist_ok=True)
+        _barrier(g)
+        torch.save({"layout": self._layout(), "cpu": torch.get_rng_state(),
+                    "tracker": _rng_tracker_states()}, rng_dir / f"rank{g.rank}.pt")
+        _barrier(g)
 
     def load_checkpoint(self, ckpt_dir: str | Path) -> None:
-        raise NotImplementedError
+        """Load a checkpoint written by :meth:`save_checkpoint`, at this or another layout.
+
+        RNG states are restored when the layout is the same (they are per rank); otherwise the
+        current ones stay (the policy has no dropout, so the numbers do not depend on them).
+        """
+        from megatron.core import dist_checkpointing
+
+        g = self.groups
+        g.check_current()
+        path = Path(ckpt_dir)
+        if not (path / "metadata.json").is_file():
+            raise FileNotFoundError(f"{path} is not a Megatron distributed checkpoint "
+                                    f"(no metadata.json)")
+        loaded = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(path))
+        for i, chunk in enumerate(self.model):
+            chunk.module.load_state_dict(loaded[f"model_chunk{i}"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        self.scheduler.load_state_dict(loaded["scheduler"])
+        self.steps = int(loaded["steps"])
+        rng_file = path / _RNG_DIR / f"rank{g.rank}.pt"
+        if rng_file.is_file():
+            rng = torch.load(rng_file, weights_only=False)
+            if rng["layout"] == self._layout():
+                torch.set_rng_state(rng["cpu"])
+                _set_rng_tracker_states(rng["tracker"])
+
+    def _layout(self) -> tuple[int, ...]:
+        g = self.groups
+        return (g.world_size, g.tp, g.pp, g.vpp)
+
+
+_OPTIM_CKPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+_RNG_DIR = "rng"
+
+
+def _barrier(groups: ParallelGroups) -> None:
+    if groups.world_size > 1:
+        dist.barrier()
+
+
+def _rng_tracker_states() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return get_cuda_rng_tracker().get_states()
+
+
+def _set_rng_tracker_states(states: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker().set_states(states)

@@ -63,7 +63,7 @@ def test_noop_when_cuda_is_available():
 
 def test_cuda_placements_land_on_cpu():
     assert apply_cpu_shim()
-    assert torch.cuda.current_device() == 0
+    assert torch.cuda.current_device() == torch.device("cpu")
     torch.cuda.synchronize()
     x = torch.arange(4.0)
     for device in ("cuda", "cuda:0", torch.device("cuda"), torch.cuda.current_device()):
@@ -76,6 +76,27 @@ def test_cuda_placements_land_on_cpu():
     assert x.type(torch.float64).dtype == torch.float64  # the converting form is untouched
     assert x.to(torch.float64).dtype == torch.float64
     assert torch.zeros(2, device="meta").device.type == "meta"
+
+
+def test_backward_functions_are_covered_too():
+    assert apply_cpu_shim()
+
+    class Double(torch.autograd.Function):  # like Megatron's gathers: buffers on the "GPU"
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            out = torch.empty(grad.shape, device=torch.cuda.current_device())
+            return torch.mul(grad, 2, out=out)
+
+    for run in (lambda y: y.backward(), lambda y: torch.autograd.backward([y]),
+                lambda y: torch.autograd.grad(y, [x])):
+        x = torch.ones(3, requires_grad=True)
+        grads = run(Double.apply(x).sum())
+        got = grads[0] if grads is not None else x.grad
+        assert torch.equal(got, torch.full((3,), 2.0))
 
 
 def test_rng_tracker_forks_the_cpu_generator():

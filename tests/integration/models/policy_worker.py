@@ -1,0 +1,150 @@
+"""torchrun worker for the parallel policy tests: runs every layout in one launch, saves results.
+
+Usage: torchrun --nproc-per-node 4 policy_worker.py OUT_DIR HF_ROOT
+HF_ROOT holds llama/ qwen2/ qwen3/ written by policy_testlib.write_hf_model. Rank 0 writes
+OUT_DIR/<case>.pt with the Megatron numbers; the pytest side compares them with transformers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from policy_testlib import make_batch, make_loss_fn  # noqa: E402
+
+from megatron_rl.models import OptimConfig, ParallelConfig, PolicyConfig, init_distributed  # noqa: E402
+from megatron_rl.models.policy import MegatronPolicy  # noqa: E402
+
+TEMPERATURE = 0.7
+LENGTHS = [12, 7, 20, 5, 16, 9, 14, 6]
+PROMPTS = [4, 3, 9, 2, 1, 8, 5, 2]
+LR = 1e-3
+
+
+def _policy(hf_dir, tp=1, pp=1, vpp=None, sp=False, distopt=False, tokens=48):
+    par = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline=vpp,
+                         sequence_parallel=sp, use_distributed_optimizer=distopt, timeout_s=120)
+    cfg = PolicyConfig(parallel=par, micro_batch_tokens=tokens,
+                       optim=OptimConfig(lr=LR, clip_grad=0.0))
+    groups = init_distributed(par)
+    return MegatronPolicy.from_hf(str(hf_dir), cfg, groups)
+
+
+def _export(policy, grads=False):
+    it = policy.export_hf_grads() if grads else policy.export_hf_weights()
+    return {name: t.clone() for name, t in it if t is not None}
+
+
+def _save(out: Path, case: str, result: dict) -> None:
+    if torch.distributed.get_rank() == 0:
+        torch.save(result, out / f"{case}.pt")
+
+
+def run_layout(out, hf_dir, case, grads=True, **layout):
+    policy = _policy(hf_dir, **layout)
+    batch = make_batch(LENGTHS, PROMPTS)
+    logps, ents = policy.compute_logprobs(batch, TEMPERATURE)
+    metrics = policy.train_step(batch, make_loss_fn(batch), TEMPERATURE, with_entropy=True)
+    result = {"logps": logps, "ents": ents, "metrics": metrics,
+              "grads": _export(policy, grads=True) if grads else None,
+              "weights": _export(policy)}
+    _save(out, case, result)
+
+
+def run_round_trip(out, hf_root):
+    for arch in ("llama", "qwen2", "qwen3"):
+        policy = _policy(hf_root / arch, tp=2, pp=2)
+        _save(out, f"roundtrip_{arch}", {"weights": _export(policy)})
+
+
+def run_checkpoints(out, hf_dir, ckpt_root):
+    batch = make_batch(LENGTHS, PROMPTS, seed=5)
+    loss_fn = make_loss_fn(batch)
+    a = _policy(hf_dir, tp=2, pp=2)
+    a.train_step(batch, loss_fn, TEMPERATURE, with_entropy=True)
+    step1 = _export(a)
+    a.save_checkpoint(ckpt_root / "a_tp2pp2")
+    a.train_step(batch, loss_fn, TEMPERATURE, with_entropy=True)
+    a_step2, a_logps2 = _export(a), a.compute_logprobs(batch, TEMPERATURE, with_entropy=False)[0]
+
+    b = _policy(hf_dir, tp=1, pp=1)
+    b.load_checkpoint(ckpt_root / "a_tp2pp2")
+    b_loaded = _export(b)
+    b.save_checkpoint(ckpt_root / "b_tp1")
+    b.train_step(batch, loss_fn, TEMPERATURE, with_entropy=True)
+    b_step2, b_logps2 = _export(b), b.compute_logprobs(batch, TEMPERATURE, with_entropy=False)[0]
+
+    c = _policy(hf_dir, tp=2, pp=2)
+    c.load_checkpoint(ckpt_root / "b_tp1")
+    c_loaded = _export(c)
+    _save(out, "checkpoint", {"step1": step1, "b_loaded": b_loaded, "c_loaded": c_loaded,
+                              "a_step2": a_step2, "b_step2": b_step2, "a_logps2": a_logps2,
+                              "b_logps2": b_logps2, "b_steps": b.steps, "c_steps": c.steps})
+
+
+def run_bad_layouts(out, hf_dir):
+    """Impossible layouts: a ConfigError naming the values, and no model is ever built."""
+    from megatron_rl.config.base import ConfigError
+    from megatron_rl.models import hf_bridge
+    from megatron_rl.models.parallel import init_distributed as init
+
+    built = []
+    original = hf_bridge.build_model_chunks
+    hf_bridge.build_model_chunks = lambda *a, **k: built.append(a) or original(*a, **k)
+    errors = {}
+    try:
+        for name, layout in {"tp3": dict(tp=3), "tp4_kv2": dict(tp=4), "pp2_vpp4": dict(pp=2, vpp=4),
+                             "tp4_pp2": dict(tp=4, pp=2)}.items():
+            try:
+                _policy(hf_dir, **layout)
+            except ConfigError as exc:
+                errors[name] = (exc.key, str(exc))
+        # the groups of the last good layout survive a refused init_distributed
+        good = init(ParallelConfig(tensor_parallel=2))
+        try:
+            init(ParallelConfig(tensor_parallel=3))
+        except ConfigError:
+            pass
+        good.check_current()
+    finally:
+        hf_bridge.build_model_chunks = original
+    _save(out, "bad_layouts", {"errors": errors, "built": len(built)})
+
+
+def main() -> None:
+    out, hf_root = Path(sys.argv[1]), Path(sys.argv[2])
+    only = set(sys.argv[3].split(",")) if len(sys.argv) > 3 else None
+    llama = hf_root / "llama"
+    cases = {
+        "tp1": lambda: run_layout(out, llama, "tp1"),
+        "tp2": lambda: run_layout(out, llama, "tp2", tp=2),
+        "tp2_sp": lambda: run_layout(out, llama, "tp2_sp", tp=2, sp=True),
+        "pp2": lambda: run_layout(out, llama, "pp2", pp=2),
+        "tp2pp2": lambda: run_layout(out, llama, "tp2pp2", tp=2, pp=2),
+        "pp2_vpp2": lambda: run_layout(out, llama, "pp2_vpp2", pp=2, vpp=2),
+        "tp2_distopt": lambda: run_layout(out, llama, "tp2_distopt", grads=False, tp=2,
+                                          distopt=True),
+        "tied_tp2pp2": lambda: run_layout(out, hf_root / "qwen2", "tied_tp2pp2", tp=2, pp=2),
+        "roundtrip": lambda: run_round_trip(out, hf_root),
+        "checkpoint": lambda: run_checkpoints(out, llama, out / "ckpt"),
+        "bad_layouts": lambda: run_bad_layouts(out, llama),
+    }
+    for name, fn in cases.items():
+        if only and name not in only:
+            continue
+        t0 = time.time()
+        fn()
+        if torch.distributed.get_rank() == 0:
+            print(f"case {name}: {time.time() - t0:.1f}s", flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
