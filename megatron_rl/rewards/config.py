@@ -44,6 +44,9 @@ class SandboxConfig(ConfigBase):
     max_procs: int = 8
     # Largest file the program may write, in MiB (RLIMIT_FSIZE; also bounds its captured output).
     file_size_mb: int = 16
+    # MiB the program may store in its working directory, and in each private /tmp-like dir
+    # (tmpfs, so RAM; namespace modes only — without namespaces only file_size_mb applies).
+    disk_mb: int = 64
     # Bytes of stdout/stderr kept for scoring.
     max_output_bytes: int = 1 << 20
     # Interpreter that runs the programs; "" finds python3 on /usr/local/bin:/usr/bin:/bin. It must be
@@ -63,8 +66,8 @@ class SandboxConfig(ConfigBase):
         super().validate()
         for name in ("timeout_s",):
             self.check_range(name, lo=0.0, lo_open=True)
-        for name in ("cpu_s", "memory_mb", "max_procs", "file_size_mb", "max_output_bytes",
-                     "uid_span"):
+        for name in ("cpu_s", "memory_mb", "max_procs", "file_size_mb", "disk_mb",
+                     "max_output_bytes", "uid_span"):
             self.check_range(name, lo=1)
         self.check_range("uid_base", lo=1000)
 

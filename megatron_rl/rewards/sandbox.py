@@ -140,16 +140,19 @@ class Sandbox:
     def _command(self, argv: list[str], workdir: str, uid: int | None) -> list[str]:
         if self.mode == "none":
             return argv
-        mounts = " ".join(
-            f"if [ -d {d} ]; then mount -t tmpfs -o size={self.cfg.file_size_mb}m,mode=1777,"
-            f"nosuid,nodev tmpfs {d}; fi;" for d in _WORLD_WRITABLE)
-        # cd first: the working directory stays reachable as "." after /tmp is covered, and is
-        # bind-mounted at /tmp/work (programs resolve their own paths through getcwd()). The
-        # shell stays PID 1 and waits, so a program killed by signal N exits as 128 + N (unshare
+        size = f"size={self.cfg.disk_mb}m"
+        mounts = " ".join(f"if [ -d {d} ]; then mount -t tmpfs -o {size},mode=1777,nosuid,nodev "
+                          f"tmpfs {d}; fi;" for d in _WORLD_WRITABLE)
+        owner = uid if uid is not None else 0  # 0 inside a user namespace is the caller
+        # cd first: the input files stay reachable as "." after /tmp is covered; they are copied
+        # into a size-bounded tmpfs at /tmp/work owned by the program's uid, so whatever it
+        # writes stays in RAM-backed, bounded space and vanishes with the namespace. The shell
+        # stays PID 1 and waits, so a program killed by signal N exits as 128 + N (unshare
         # cannot re-raise every signal on itself).
         script = (f"set -e; cd {shlex.quote(workdir)}; {mounts} mkdir -p {_INNER_WORKDIR}; "
-                  f"mount --no-canonicalize --bind . {_INNER_WORKDIR}; cd {_INNER_WORKDIR}; set +e; \"$@\"; "
-                  "rc=$?; exit $rc")
+                  f"mount -t tmpfs -o {size},mode=0700,uid={owner},gid={owner},nosuid,nodev tmpfs "
+                  f"{_INNER_WORKDIR}; cp -R ./. {_INNER_WORKDIR}/; cd {_INNER_WORKDIR}; set +e; "
+                  "\"$@\"; rc=$?; exit $rc")
         inner = list(argv)
         if self.mode == "root_ns":
             inner = [shutil.which("setpriv", path=_SAFE_PATH), f"--reuid={uid}", f"--regid={uid}",
@@ -201,10 +204,6 @@ class Sandbox:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(path, "wb") as f:
                     f.write(content.encode() if isinstance(content, str) else content)
-            if uid is not None:
-                for dirpath, dirnames, filenames in os.walk(workdir):
-                    for n in [dirpath, *(os.path.join(dirpath, x) for x in dirnames + filenames)]:
-                        os.chown(n, uid, uid)
             stdin_b = stdin.encode() if isinstance(stdin, str) else stdin
             with open(os.path.join(base, "stdin"), "wb") as f:
                 f.write(stdin_b)

@@ -220,6 +220,21 @@ def test_file_size_is_capped(sandbox):
     assert res.returncode != 0 and "File too large" in res.stderr
 
 
+def test_disk_fill_is_bounded():
+    sandbox = Sandbox(_cfg(disk_mb=8, file_size_mb=4))
+    res = sandbox.run_python(textwrap.dedent("""
+        n = 0
+        try:
+            for i in range(1000):
+                open(f"f{i}", "wb").write(b"x" * (1 << 20))
+                n += 1
+        except OSError as exc:
+            print(n, exc.errno)
+        """))
+    written, errno = res.stdout.split()
+    assert res.returncode == 0 and int(written) <= 8 and errno == "28"  # ENOSPC in its own tmpfs
+
+
 def test_detached_children_die_with_the_program(sandbox):
     marker = f"{time.time_ns() % 10**6}.{os.getpid()}"
     res = sandbox.run_python(textwrap.dedent(f"""
