@@ -30,7 +30,7 @@ from pathlib import Path
 
 from megatron_rl.config.base import ConfigBase
 from megatron_rl.data.config import DataConfig
-from megatron_rl.data.dataset import PromptRecord, load_prompts, read_rows
+from megatron_rl.data.dataset import DataError, PromptRecord, load_prompts, read_rows
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rewards.extract import normalize_ws
 from megatron_rl.rollout.config import RolloutConfig
@@ -208,6 +208,9 @@ def run(data_path: str, model_path: str, out_path: str, summary_path: str | None
     from megatron_rl.rewards import RewardManager
 
     cfg.validate()
+    for what, path in (("data", data_path), ("model", model_path)):
+        if not Path(path).exists():
+            raise DataError(f"{what}: no such file or directory: {path}")
     t0 = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     records, stats = load_prompts(data_path, tokenizer, cfg.data)
@@ -251,6 +254,9 @@ def cli_main(argv: list[str]) -> int:
                                                     "+ .summary.json)")
     p.add_argument("--config", default=None, help="YAML with DifficultyConfig keys")
     p.add_argument("overrides", nargs="*", help="key.sub=value")
+    argv = list(argv)
+    if argv[:1] == ["--"]:  # `megatron-rl data difficulty -- --data ...` passes the separator on
+        argv = argv[1:]
     args = p.parse_args(argv)
     tree = load_yaml_tree(args.config) if args.config else {}
     for item in args.overrides:
