@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DATA_SOURCE = "synthetic/addition"
-REWARD_STYLE = "exact_boxed"
+REWARD_STYLE = "boxed_final"
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ sandboxed program against test cases) and ``llm_judge`` (an OpenAI-compatible en
 """
 
 from megatron_rl.rewards import code as _code  # noqa: F401  (registers "code")
+from megatron_rl.rewards import final_answer as _final  # noqa: F401  (registers "boxed_final")
 from megatron_rl.rewards import judge as _judge  # noqa: F401  (registers "llm_judge")
 from megatron_rl.rewards import math as _math  # noqa: F401  (registers "exact_boxed", "math")
 from megatron_rl.rewards.base import (Outcome, RewardItem, get_style, register_reward,
