@@ -10,8 +10,8 @@ from megatron_rl.config.base import ConfigBase
 #: The checkout (configs/, slurm/ are found relative to it).
 HOME = Path(__file__).resolve().parent.parent
 
-#: Stage number -> seconds before the time limit at which Slurm sends USR1 (as in slurm/stage*.sh:
-#: longer stages have longer steps, so they are warned earlier).
+#: Stage number -> seconds before the time limit at which the trainer is asked to checkpoint (as in
+#: slurm/stage*.sh: longer stages have longer steps, so they are warned earlier).
 SIGNAL_LEAD_SECONDS = {1: 600, 2: 900, 3: 1200}
 
 

@@ -6,11 +6,12 @@ processes and reports "checkpointed, requeue me" as exit code 99.
 
 - Slurm: NeMo-Run writes and submits the sbatch script (through a LocalTunnel: run this where
   ``sbatch`` works). One task per node runs torchrun with a c10d rendezvous on the first node
-  (``$head_node_ip``, which NeMo-Run's script resolves). Slurm sends USR1 to the job's processes
-  ``signal_lead`` seconds before the time limit (``--signal=USR1@N``, all steps, not only the batch
-  shell: NeMo-Run's script runs srun in the foreground, where a batch-shell trap could not fire);
-  NeMo-Run's script requeues the job when the step exits non-zero, up to ``max_requeues`` times.
-  Optional pyxis container: the checkout and the run directory are mounted at the same paths.
+  (``$head_node_ip``, which NeMo-Run's script resolves). No ``--signal``: NeMo-Run's script runs
+  srun in the foreground, where a batch-shell trap cannot fire, and a step-wide signal would kill
+  the trainer's helper processes; instead node_launch.sh watches the time left (squeue) and asks
+  the trainer to checkpoint ``signal_lead`` seconds before the limit. NeMo-Run's script requeues
+  the job when the step exits non-zero, up to ``max_requeues`` times. Optional pyxis container: the
+  checkout and the run directory are mounted at the same paths.
 - Local: the same command on this machine (the CPU miniature: one process, no torchrun).
 """
 
@@ -64,6 +65,8 @@ def node_command(cfg: LaunchConfig, stage: str, run_dir: Path) -> list[str]:
 def task_env(cfg: LaunchConfig) -> dict[str, str]:
     direct = cfg.executor == "local" and cfg.procs_per_node() == 1
     env = {"MEGATRON_RL_HOME": str(HOME), "LAUNCHER": "direct" if direct else "torchrun"}
+    if cfg.executor == "slurm":
+        env["MRL_STOP_BEFORE_END_S"] = str(cfg.signal_lead())
     if cfg.venv:
         env["VENV"] = cfg.venv
     return {**env, **cfg.env}
@@ -95,7 +98,6 @@ def slurm_executor(cfg: LaunchConfig, run_dir: Path, job_dir: Path):
         gpus_per_node=cfg.gpus_per_node,
         exclusive=True,
         time=cfg.time,
-        signal=f"USR1@{cfg.signal_lead()}",
         container_image=cfg.container_image or None,
         container_mounts=mounts,
         env_vars=task_env(cfg),

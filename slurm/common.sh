@@ -10,9 +10,10 @@
 #      MASTER_ADDR:MASTER_PORT, so no per-node rank is needed) or, with LAUNCHER=direct, one
 #      `python -m megatron_rl.cli train` process (world size 1: the CPU miniature);
 #   4. traps USR1 (sent by Slurm `--signal=B:USR1@N` before the time limit, or by
-#      `scancel --signal=USR1 --batch JOB`) and TERM (preemption) and forwards USR1 to the trainer
-#      processes, which finish the current step, checkpoint and exit 99; the job then runs
-#      `scontrol requeue $SLURM_JOB_ID`, and the requeued job resumes from that checkpoint.
+#      `scancel --signal=USR1 --batch JOB`) and TERM (preemption) and has node_launch.sh send USR1
+#      to the trainer processes, which finish the current step, checkpoint and exit 99; if a new
+#      checkpoint of the stage was written, the job runs `scontrol requeue $SLURM_JOB_ID`, and the
+#      requeued job resumes from that checkpoint.
 #
 # Settings (environment; all optional):
 #   CONFIG            recipe config (default: the stage script's; relative paths: to the checkout)
@@ -59,6 +60,17 @@ i = int(sys.argv[2])
 if not 1 <= i <= len(stages):
     sys.exit(f"{sys.argv[1]}: has {len(stages)} stages, no stage number {i}")
 print(stages[i - 1]["name"], (tree.get("trainer") or {}).get("run_dir", "runs/default"))
+EOF_PY
+}
+
+mrl_stage_finished() {  # mrl_stage_finished RUN_DIR STAGE: RUN_DIR/run_state.json lists STAGE as finished
+  python3 - "$1/run_state.json" "$2" <<'EOF_PY' 2>/dev/null
+import json, sys
+try:
+    finished = json.load(open(sys.argv[1])).get("finished_stages", [])
+except OSError:
+    sys.exit(1)
+sys.exit(0 if sys.argv[2] in finished else 1)
 EOF_PY
 }
 
@@ -140,15 +152,21 @@ mrl_main() {
   export VENV="${VENV:-}" LAUNCHER="${LAUNCHER:-torchrun}"
   cd "$home" || return 2
 
-  # --- run, forwarding USR1/TERM, and requeue when the trainer checkpointed on a signal -----------
-  local child rc signalled=0 interrupted=0
-  _mrl_forward() {
-    interrupted=1; signalled=1
+  # --- run; on USR1/TERM ask the trainer to checkpoint; requeue once it has --------------------------
+  # The request travels as a file in the run directory (shared by the nodes), which every
+  # node_launch.sh watches: forwarding the signal through srun would signal every process of the
+  # step, killing the trainer's helpers (vLLM, checkpoint writer, reward workers) mid-checkpoint.
+  export MRL_STOP_FILE="$run_dir/.stop-${SLURM_JOB_ID:-$$}"
+  local started="$run_dir/.started-${SLURM_JOB_ID:-$$}"
+  rm -f "$MRL_STOP_FILE"; touch "$started"
+  local child rc interrupted=0
+  _mrl_stop() {
+    interrupted=1
     mrl_log "got $1: asking the trainer to checkpoint and exit"
-    kill -USR1 "$child" 2>/dev/null || true   # srun forwards USR1 to the node_launch.sh tasks
+    touch "$MRL_STOP_FILE"
   }
-  trap '_mrl_forward USR1' USR1
-  trap '_mrl_forward TERM' TERM
+  trap '_mrl_stop USR1' USR1
+  trap '_mrl_stop TERM' TERM
   "${full[@]}" &
   child=$!
   while :; do
@@ -158,16 +176,23 @@ mrl_main() {
   done
   trap - USR1 TERM
   mrl_log "trainer exited with $rc"
-  if [ "$rc" = 99 ] || { [ "$signalled" = 1 ] && [ "$rc" != 0 ]; }; then
-    if [ -z "${SLURM_JOB_ID:-}" ]; then return 99; fi
-    if [ "${SLURM_RESTART_COUNT:-0}" -ge "${MAX_REQUEUES:-50}" ]; then
-      mrl_log "checkpointed, but already requeued ${SLURM_RESTART_COUNT} times (MAX_REQUEUES): not requeueing"
-      return 99
-    fi
-    mrl_log "checkpointed: requeueing job $SLURM_JOB_ID"
-    scontrol requeue "$SLURM_JOB_ID"
-    sleep 60 & wait $!   # Slurm ends this incarnation of the job now
+  local new_ckpt
+  new_ckpt="$(find "$run_dir/$stage/checkpoints" -name trainer_state.json -newer "$started" 2>/dev/null | head -n 1)"
+  rm -f "$MRL_STOP_FILE" "$started"
+  [ "$rc" = 99 ] || return "$rc"
+  if mrl_stage_finished "$run_dir" "$stage"; then
+    mrl_log "stage '$stage' finished (the stop came during its last step)"; return 0
+  fi
+  if [ -z "$new_ckpt" ]; then
+    mrl_log "exit 99 but no new checkpoint of stage '$stage' was written: not requeueing"; return 1
+  fi
+  if [ -z "${SLURM_JOB_ID:-}" ]; then return 99; fi
+  if [ "${SLURM_RESTART_COUNT:-0}" -ge "${MAX_REQUEUES:-50}" ]; then
+    mrl_log "checkpointed, but already requeued ${SLURM_RESTART_COUNT} times (MAX_REQUEUES): not requeueing"
     return 99
   fi
-  return "$rc"
+  mrl_log "checkpointed ($(dirname "$new_ckpt")): requeueing job $SLURM_JOB_ID"
+  scontrol requeue "$SLURM_JOB_ID"
+  sleep 60 & wait $!   # Slurm ends this incarnation of the job now
+  return 99
 }

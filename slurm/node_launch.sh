@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
-# One task per trainer node (started by slurm/common.sh through srun): runs this node's trainer
-# processes, given as arguments (a torchrun command, or one python process with LAUNCHER=direct).
+# One task per trainer node (started through srun by slurm/common.sh or the NeMo-Run launcher):
+# runs this node's trainer processes, given as arguments (a torchrun command, or with
+# LAUNCHER=direct one python process), and asks them to checkpoint and exit when the job must stop.
 #
-# On USR1 or TERM it sends USR1 to the trainer processes themselves, not to torchrun: torchrun
-# would either die on USR1 or, on TERM, give its workers only 30 s before killing them, too little to
-# finish a step and write a checkpoint. The trainer then exits 99 ("checkpointed, requeue me");
-# torchrun turns any worker failure into exit 1, so after a forwarded signal a non-zero exit is
-# reported as 99. The command starts with USR1 ignored, so that a step-wide USR1 (Slurm's
-# `--signal=USR1@N` without `B:`, as the NeMo-Run launcher uses) cannot kill torchrun; the trainer
-# installs its own handler, which replaces the inherited "ignore".
+# A stop is requested by any of:
+#   - USR1 or TERM to this script;
+#   - the file $MRL_STOP_FILE appearing (the batch script creates it from its USR1 trap; a file on
+#     the shared run directory reaches every node, and, unlike srun's signal forwarding, which
+#     signals every process of the step, it does not kill the trainer's helper processes: vLLM,
+#     the checkpoint writer, the reward pool);
+#   - less than $MRL_STOP_BEFORE_END_S seconds left before the job's time limit (read from squeue;
+#     the NeMo-Run launcher uses this instead of Slurm's --signal).
+# It then sends USR1 to each trainer process once that process has its USR1 handler installed
+# (checked every RESEND_SECONDS, default 1, so workers still starting get it too). Not to torchrun:
+# torchrun would die on USR1, and on TERM give its workers only 30 s before killing them. The
+# command starts with USR1 ignored (torchrun keeps that; the trainer installs its own handler).
+#
+# Exit code: the command's. The trainer exits 99 after checkpointing on a stop ("requeue me");
+# torchrun reports any worker failure as 1, so with torchrun a non-zero exit after a stop request
+# is reported as 99 (the batch script requeues only if a new checkpoint was really written).
 set -uo pipefail
 if [ -n "${VENV:-}" ]; then
   # shellcheck disable=SC1091
@@ -17,41 +27,93 @@ fi
 [ "$#" -gt 0 ] || { echo "usage: node_launch.sh COMMAND..." >&2; exit 2; }
 if [ -n "${MEGATRON_RL_HOME:-}" ]; then cd "$MEGATRON_RL_HOME" || exit 2; fi
 
+log() { echo "[node_launch $(hostname -s) $(date +%H:%M:%S)] $*" >&2; }
+
 child=""
-forwarded=0
+requested=0
 interrupted=0
-resender=""
-send_usr1() {  # USR1 to the trainer processes: torchrun's children, or the one direct process
-  local targets="$child"
+helpers=()
+
+trainer_pids() {  # torchrun's children, or the one direct process
   if [ "${LAUNCHER:-torchrun}" = torchrun ]; then
-    targets="$(ps -o pid= --ppid "$child" | tr '\n' ' ')"
+    ps -o pid= --ppid "$child" | tr '\n' ' '
+  else
+    echo "$child"
   fi
-  # shellcheck disable=SC2086
-  [ -n "${targets// /}" ] && kill -USR1 $targets 2>/dev/null
-  return 0
 }
-forward() {
+
+catches_usr1() {  # catches_usr1 PID: the process has a USR1 handler installed (SigCgt bit 10)
+  local mask
+  mask="$(awk '/^SigCgt:/ {print $2}' "/proc/$1/status" 2>/dev/null)"
+  [ -n "$mask" ] && (( (16#$mask >> 9) & 1 ))
+}
+
+request_stop() {
   interrupted=1
-  [ "$forwarded" = 0 ] || return 0
-  forwarded=1
-  echo "[node_launch $(hostname -s)] $1: asking the trainer processes to checkpoint and exit" >&2
-  # Repeat until the command ends: workers that are still starting (not spawned yet, or USR1 still
-  # ignored before the trainer installs its handler) get it too. A repeat is harmless.
-  ( while kill -0 "$child" 2>/dev/null; do send_usr1; sleep "${RESEND_SECONDS:-5}"; done ) &
-  resender=$!
+  [ "$requested" = 0 ] || return 0
+  requested=1
+  log "$1: asking the trainer processes to checkpoint and exit"
+  (
+    # Each trainer process gets exactly one USR1, once it has its handler installed: one that is
+    # still starting (not spawned yet, or USR1 still ignored) gets it later; a second USR1 could
+    # land while Python shuts down, after its handlers are reset, and kill it.
+    declare -A sent=()
+    while kill -0 "$child" 2>/dev/null; do
+      for pid in $(trainer_pids); do
+        if [ -z "${sent[$pid]:-}" ] && catches_usr1 "$pid"; then
+          kill -USR1 "$pid" 2>/dev/null && sent[$pid]=1
+        fi
+      done
+      sleep "${RESEND_SECONDS:-1}"
+    done
+  ) &
+  helpers+=($!)
 }
-trap 'forward USR1' USR1
-trap 'forward TERM' TERM
+trap 'request_stop USR1' USR1
+trap 'request_stop TERM' TERM
+
+seconds_left() {  # of the job's time limit, from squeue's %L ([D-]HH:MM:SS, MM:SS, UNLIMITED)
+  local left d=0 h=0 m=0 s=0
+  left="$(squeue -h -j "$SLURM_JOB_ID" -o %L 2>/dev/null | head -n 1)"
+  [[ "$left" =~ ^[0-9:-]+$ ]] || return 1
+  if [[ "$left" == *-* ]]; then d="${left%%-*}"; left="${left#*-}"; fi
+  IFS=: read -r -a parts <<<"$left"
+  case "${#parts[@]}" in
+    3) h="${parts[0]}"; m="${parts[1]}"; s="${parts[2]}" ;;
+    2) m="${parts[0]}"; s="${parts[1]}" ;;
+    1) s="${parts[0]}" ;;
+  esac
+  echo $(( 10#$d * 86400 + 10#$h * 3600 + 10#$m * 60 + 10#$s ))
+}
+
+watch_for_stop() {  # in the background: turn the stop file / the time limit into USR1 to this script
+  local me="$1" next_time_check=0 left
+  while kill -0 "$me" 2>/dev/null; do
+    if [ -n "${MRL_STOP_FILE:-}" ] && [ -e "$MRL_STOP_FILE" ]; then
+      kill -USR1 "$me"; return
+    fi
+    if [ -n "${MRL_STOP_BEFORE_END_S:-}" ] && [ -n "${SLURM_JOB_ID:-}" ] && [ "$SECONDS" -ge "$next_time_check" ]; then
+      next_time_check=$((SECONDS + 30))
+      if left="$(seconds_left)" && [ "$left" -le "$MRL_STOP_BEFORE_END_S" ]; then
+        kill -USR1 "$me"; return
+      fi
+    fi
+    sleep 1
+  done
+}
 
 (trap '' USR1; exec "$@") &
 child=$!
+watch_for_stop $$ &
+helpers+=($!)
 while :; do
   interrupted=0
   wait "$child"; rc=$?
-  [ "$interrupted" = 1 ] || break
+  [ "$interrupted" = 1 ] || break   # a trapped signal interrupted the wait: wait again
 done
-[ -n "$resender" ] && kill "$resender" 2>/dev/null
-if [ "$forwarded" = 1 ] && [ "$rc" != 0 ]; then
+for pid in "${helpers[@]}"; do kill "$pid" 2>/dev/null; done
+if [ "$requested" = 1 ] && [ "$rc" != 0 ] && [ "${LAUNCHER:-torchrun}" = torchrun ]; then
   rc=99
 fi
+log "trainer exited with $rc"
 exit "$rc"

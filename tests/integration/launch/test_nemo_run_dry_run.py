@@ -65,8 +65,10 @@ def test_sbatch_resources(dry_run_text):
     assert d["ntasks-per-node"] == "1"  # one node_launch.sh (-> torchrun) per node
     assert d["account"] == "acct" and d["partition"] == "batch"
     assert d["time"] == "04:00:00"
-    # Stage 2's warning before the time limit goes to every process of the job, not the batch shell.
-    assert d["signal"] == "USR1@900"
+    # No Slurm signal (it would reach every process of the step); node_launch.sh watches the time
+    # left and asks the trainer to checkpoint 900 s (stage 2) before the limit.
+    assert "signal" not in d
+    assert "export MRL_STOP_BEFORE_END_S=900" in text
     assert "exclusive" in d
     # Requeue: submitted with --requeue, and NeMo-Run's script requeues up to max_requeues times.
     assert "sbatch --requeue" in text
