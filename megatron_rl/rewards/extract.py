@@ -9,6 +9,15 @@ _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _ANSWER_IS = re.compile(r"(?:final answer|answer)\s*(?:is|:)\s*\$?([^\n$]+?)\$?\s*(?:\.|$)", re.I | re.M)
 
 
+THINK_END = "</think>"
+
+
+def final_part(text: str) -> str:
+    """The text after the last ``</think>`` (a reasoning model's answer), or all of it."""
+    i = text.rfind(THINK_END)
+    return text if i < 0 else text[i + len(THINK_END):]
+
+
 def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces kept), or ``None``.
 
@@ -63,7 +72,8 @@ def answer_phrase(text: str) -> str | None:
 
 
 def extract_answer(text: str, fallback_last_number: bool = False) -> str | None:
-    """Last box; else "the answer is X"; else (optionally) the last number."""
+    """After ``</think>``: the last box; else "the answer is X"; else (optionally) the last number."""
+    text = final_part(text)
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed

@@ -25,7 +25,7 @@ from itertools import product
 
 from megatron_rl.rewards.base import (CORRECT, TIMEOUT, UNPARSABLE, WRONG, Outcome, RewardItem,
                                       register_reward)
-from megatron_rl.rewards.extract import extract_answer, last_boxed, normalize_ws
+from megatron_rl.rewards.extract import extract_answer, final_part, last_boxed, normalize_ws
 
 _PLAIN_NUMBER = re.compile(r"^[+-]?(\d+)(?:\.(\d+))?$")
 _THOUSANDS = re.compile(r"^[+-]?\d{1,3}(,\d{3})+(\.\d+)?$")
@@ -36,8 +36,8 @@ _PI = 3.141592653589793
 
 @register_reward("exact_boxed")
 def exact_boxed(item: RewardItem, cfg=None) -> Outcome:
-    """1 when the last ``\\boxed{}`` equals the ground truth after removing all whitespace."""
-    answer = last_boxed(item.response)
+    """1 when the last ``\\boxed{}`` (after ``</think>``) equals the ground truth, whitespace removed."""
+    answer = last_boxed(final_part(item.response))
     if answer is None:
         return Outcome(0.0, UNPARSABLE)
     ok = normalize_ws(answer) == normalize_ws(str(item.ground_truth))

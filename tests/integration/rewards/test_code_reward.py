@@ -7,7 +7,7 @@ import json
 import pytest
 
 from megatron_rl.rewards import RewardConfig, RewardItem
-from megatron_rl.rewards.code import code_reward, extract_code, parse_cases, stdout_matches
+from megatron_rl.rewards.code import build_cases, code_reward, extract_code, stdout_matches
 from megatron_rl.rewards.sandbox import isolation_mode
 
 pytestmark = [pytest.mark.timeout(120),
@@ -61,6 +61,18 @@ def test_call_based_cases_with_solution_class():
     assert code_reward(RewardItem(_resp(code), gt, "code"), _cfg()).score == 0.5
 
 
+def test_leetcode_function_with_typing_names_and_assert_cases():
+    code = "def add(xs: List[int]) -> int:\n    return sum(xs)\n"
+    calls = {"fn_name": "add", "inputs": [[[1, 2, 3]], [[]]], "outputs": [6, 0]}
+    assert code_reward(RewardItem(_resp(code), calls, "code"), _cfg()).score == 1.0
+    asserts = {"assert_case": ["assert add([1, 1]) == 2", "assert add([5]) == 6"]}
+    assert code_reward(RewardItem(_resp(code), asserts, "code"), _cfg()).score == 0.5
+    humaneval = {"test_code": "def check(candidate):\n    assert candidate([2]) == 2\n"
+                              "    assert candidate([2, 2]) == 4\n", "entry_point": "add"}
+    out = code_reward(RewardItem(_resp(code), humaneval, "code"), _cfg())
+    assert out.score == 1.0 and out.extracted == "2/2 passed"
+
+
 def test_no_code_block_is_unparsable_and_bad_ground_truth_is_an_error():
     assert code_reward(RewardItem("print(1)", STDIO_GT, "code"), _cfg()).status == "unparsable"
     assert code_reward(RewardItem(_resp("print(1)"), "{\"x\": 1}", "code"), _cfg()).status == "error"
@@ -69,7 +81,11 @@ def test_no_code_block_is_unparsable_and_bad_ground_truth_is_an_error():
 def test_pure_helpers():
     assert extract_code("```\na\n```\n```python\nb\n```\n```js\nc\n```") == "b\n"
     assert extract_code("```js\nc\n```") == "c\n"
-    assert parse_cases([{"input": "1", "output": "2"}]) == ([("1", "2")], None)
+    (case,) = build_cases([{"input": "1", "output": "2"}], "print(2)")
+    assert (case.kind, case.stdin, case.expected) == ("stdio", "1", "2")
+    assert extract_code("<think>```python\nwrong\n```</think>```python\nright\n```") == "right\n"
+    with pytest.raises(ValueError, match="unknown code ground truth"):
+        build_cases({"tests": []}, "x")
     assert stdout_matches("3 \n\n", "3")
     assert stdout_matches("0.3333333", "0.33333333")
     assert not stdout_matches("0.34", "0.33")

@@ -129,3 +129,11 @@ def test_soft_timeout_is_reported_as_timeout():
     cfg.math.verify_timeout_s = 1  # math-verify's SIGALRM (we are in the main thread here)
     out = math_reward(RewardItem("\\boxed{9^{9^{9}}}", "3", "math"), cfg)
     assert (out.score, out.status) == (0.0, "timeout")
+
+
+def test_answers_inside_the_reasoning_do_not_count():
+    thought = "<think>maybe \\boxed{7}?</think>"
+    assert exact_boxed(RewardItem(thought + " so \\boxed{8}", "8", "exact_boxed")).score == 1.0
+    assert exact_boxed(RewardItem(thought + " no final box", "7", "exact_boxed")).status == "unparsable"
+    assert verdict("7", thought + " The answer is 8.") == (0.0, "wrong")
+    assert verdict("7", "no think tags \\boxed{7}") == (1.0, "correct")
