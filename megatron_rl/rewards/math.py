@@ -19,6 +19,7 @@ Verdicts on seed 002's traps (tested in ``tests/unit/rewards/test_math.py``):
 
 from __future__ import annotations
 
+import json
 import re
 from decimal import Decimal
 from itertools import product
@@ -146,16 +147,39 @@ def warmup() -> None:
     verify(parse("$1$"), parse("$\\frac{2}{2}$"))
 
 
+def gold_answers(ground_truth) -> list[str]:
+    """Acceptable answers: a list, a JSON list of strings (Skywork-OR1 writes '["34"]'), or one
+    value. A JSON list of numbers such as "[1, 2]" stays one answer (an interval or a list)."""
+    if isinstance(ground_truth, (list, tuple)):
+        return [str(g) for g in ground_truth] or [""]
+    text = str(ground_truth)
+    if text.startswith("[") and text.endswith("]"):
+        try:
+            decoded = json.loads(text)
+        except ValueError:
+            return [text]
+        if isinstance(decoded, list) and decoded and all(isinstance(g, str) for g in decoded):
+            return decoded
+    return [text]
+
+
 @register_reward("math", pooled=True, timeout_section="math")
 def math_reward(item: RewardItem, cfg) -> Outcome:
-    """math-verify on the extracted answer, plus the percent and π rules (see the module doc)."""
-    from math_verify import parse
+    """math-verify on the extracted answer, plus the percent and π rules (see the module doc).
 
+    With several acceptable answers, the response is right when it matches any of them."""
     mcfg = cfg.math
     answer = extract_answer(item.response, fallback_last_number=mcfg.fallback_last_number)
     if answer is None or not answer.strip():
         return Outcome(0.0, UNPARSABLE)
-    gold = str(item.ground_truth)
+    outcomes = [_check_one(gold, answer, mcfg) for gold in gold_answers(item.ground_truth)]
+    best = max(outcomes, key=lambda o: (o.score, o.status == WRONG))
+    return best
+
+
+def _check_one(gold: str, answer: str, mcfg) -> Outcome:
+    from math_verify import parse
+
     fast = _plain_numbers_verdict(gold, answer)
     if fast is not None:
         return Outcome(1.0 if fast else 0.0, CORRECT if fast else WRONG, answer)

@@ -137,3 +137,11 @@ def test_answers_inside_the_reasoning_do_not_count():
     assert exact_boxed(RewardItem(thought + " no final box", "7", "exact_boxed")).status == "unparsable"
     assert verdict("7", thought + " The answer is 8.") == (0.0, "wrong")
     assert verdict("7", "no think tags \\boxed{7}") == (1.0, "correct")
+
+
+def test_several_acceptable_answers():
+    assert verdict('["\\\\frac{1}{2}", "0.5"]', "\\boxed{1/2}")[0] == 1.0  # Skywork-OR1's JSON list
+    assert verdict(["34", "thirty-four"], "\\boxed{34}")[0] == 1.0
+    assert verdict('["34"]', "\\boxed{35}") == (0.0, "wrong")
+    assert verdict("[1, 2]", "\\boxed{[1, 2]}")[0] == 1.0  # an interval stays one answer
+    assert verdict("[1, 2]", "\\boxed{1}")[0] == 0.0
