@@ -63,84 +63,92 @@ class RewardManager:
         """``(scores, metrics)`` or, with ``return_details``, ``(scores, metrics, details)``."""
         t0 = time.perf_counter()
         styles = [self.resolve_style(it.style, it.extra.get("data_source", "")) for it in items]
-        outcomes: list[Outcome | None] = [None] * len(items)
         jcfg = self.cfg.judge
-        judged_main = [i for i, s in enumerate(styles)
-                       if s == "llm_judge" or (jcfg.mode == "main" and s in jcfg.styles)]
-        main_set = set(judged_main)
+        judged = {i for i, s in enumerate(styles)
+                  if s == "llm_judge" or (jcfg.mode == "main" and s in jcfg.styles)}
+        restarts_before = self._pool.restarts if self._pool else 0
+        outcomes = self._score_by_rules(items, styles, skip=judged)
+        judge_metrics = self._apply_judge(items, styles, outcomes, judged)
+        metrics = self._metrics(styles, outcomes, time.perf_counter() - t0)
+        metrics.update(judge_metrics)
+        metrics["reward/worker_restarts"] = float(
+            (self._pool.restarts if self._pool else 0) - restarts_before)
+        scores = [float(o.score) for o in outcomes]
+        if not return_details:
+            return scores, metrics
+        details = [dict(o.as_dict(), style=s) for o, s in zip(outcomes, styles)]
+        return scores, metrics, details
 
+    def _score_by_rules(self, items, styles, skip: set[int]) -> list[Outcome | None]:
+        """In-process styles inline, pooled ones through the hard-timeout pool; ``skip`` stays None."""
+        outcomes: list[Outcome | None] = [None] * len(items)
         pooled, tasks = [], []
         for i, (item, s) in enumerate(zip(items, styles)):
-            if i in main_set:
+            if i in skip:
                 continue
             style = get_style(s)
             if style.pooled:
-                timeout = getattr(self.cfg, style.timeout_section).timeout_s
                 pooled.append(i)
-                tasks.append((style.fn, (item, self.cfg), timeout))
-            else:
-                try:
-                    outcomes[i] = style.fn(item, self.cfg)
-                except Exception as exc:  # a per-sample fault is a counted zero
-                    outcomes[i] = Outcome(0.0, ERROR, detail=f"{type(exc).__name__}: {exc}")
-        restarts_before = self._pool.restarts if self._pool else 0
+                tasks.append((style.fn, (item, self.cfg),
+                              getattr(self.cfg, style.timeout_section).timeout_s))
+                continue
+            try:
+                outcomes[i] = style.fn(item, self.cfg)
+            except Exception as exc:  # a per-sample fault is a counted zero
+                outcomes[i] = Outcome(0.0, ERROR, detail=f"{type(exc).__name__}: {exc}")
         if tasks:
-            pool = self._pool_for_use()
-            for i, res in zip(pooled, pool.run(tasks)):
+            for i, res in zip(pooled, self._pool_for_use().run(tasks)):
                 if res.status == "ok":
                     outcomes[i] = res.value
-                elif res.status == "timeout":
-                    outcomes[i] = Outcome(0.0, TIMEOUT, detail=res.error)
                 else:
-                    outcomes[i] = Outcome(0.0, ERROR, detail=res.error)
+                    outcomes[i] = Outcome(0.0, TIMEOUT if res.status == "timeout" else ERROR,
+                                          detail=res.error)
+        return outcomes
 
-        judge_calls, flips, judge_errors = 0, 0, 0
-        if judged_main:
-            for i, out in zip(judged_main, judge_batch([items[i] for i in judged_main], jcfg)):
-                outcomes[i] = out
-                judge_errors += out.status == ERROR
-            judge_calls += len(judged_main)
+    def _apply_judge(self, items, styles, outcomes, judged: set[int]) -> dict:
+        """The judge decides ``judged`` items; in fallback mode it re-checks rule failures."""
+        jcfg = self.cfg.judge
+        calls, flips, errors = 0, 0, 0
+        main = sorted(judged)
+        for i, out in zip(main, judge_batch([items[i] for i in main], jcfg)):
+            outcomes[i] = out
+            errors += out.status == ERROR
+        calls += len(main)
         if jcfg.mode == "fallback":
             retry = [i for i, s in enumerate(styles)
-                     if s in jcfg.styles and i not in main_set and outcomes[i].status != CORRECT]
+                     if s in jcfg.styles and i not in judged and outcomes[i].status != CORRECT]
             for i, out in zip(retry, judge_batch([items[i] for i in retry], jcfg)):
                 outcomes[i].detail = (outcomes[i].detail + f" judge:{out.status}").strip()
-                judge_errors += out.status == ERROR
+                errors += out.status == ERROR
                 if out.status == CORRECT:
                     outcomes[i] = Outcome(1.0, CORRECT, outcomes[i].extracted, "judge_fallback")
                     flips += 1
-            judge_calls += len(retry)
+            calls += len(retry)
+        return {"reward/judge_calls": float(calls), "reward/judge_flips": float(flips),
+                "reward/judge_errors": float(errors)}
 
+    @staticmethod
+    def _metrics(styles, outcomes, seconds: float) -> dict:
         scores = [float(o.score) for o in outcomes]
         counts = Counter(o.status for o in outcomes)
-        n = max(len(items), 1)
         metrics = {
-            "reward/mean": sum(scores) / n,
-            "reward/count": float(len(items)),
-            "reward/time_s": time.perf_counter() - t0,
+            "reward/mean": sum(scores) / max(len(scores), 1),
+            "reward/count": float(len(scores)),
+            "reward/time_s": seconds,
             "reward/timeouts": float(counts[TIMEOUT]),
             "reward/errors": float(counts[ERROR]),
             "reward/unparsable": float(counts[UNPARSABLE]),
-            "reward/judge_calls": float(judge_calls),
-            "reward/judge_flips": float(flips),
-            "reward/judge_errors": float(judge_errors),
-            "reward/worker_restarts": float((self._pool.restarts if self._pool else 0)
-                                            - restarts_before),
         }
         per_style = defaultdict(list)
         for s, sc in zip(styles, scores):
             per_style[s].append(sc)
         for s, vals in per_style.items():
             metrics[f"reward/{s}/mean"] = sum(vals) / len(vals)
-        bad = counts[TIMEOUT] + counts[ERROR]
-        if bad:
+        if counts[TIMEOUT] + counts[ERROR]:
             first = next(o for o in outcomes if o.status in (TIMEOUT, ERROR))
             log.warning("rewards: %d timeouts, %d errors of %d (first: %s)", counts[TIMEOUT],
-                        counts[ERROR], len(items), first.detail[:300])
-        if not return_details:
-            return scores, metrics
-        details = [dict(o.as_dict(), style=s) for o, s in zip(outcomes, styles)]
-        return scores, metrics, details
+                        counts[ERROR], len(outcomes), first.detail[:300])
+        return metrics
 
     def close(self) -> None:
         if self._pool is not None:
