@@ -42,12 +42,13 @@ from megatron_rl.sync.group import broadcast, host_store, make_group, recv_bucke
 MiB = 1024 * 1024
 
 
-def synthetic_model(layers: int, hidden: int, inter: int, vocab: int, dtype: torch.dtype):
+def synthetic_model(layers: int, hidden: int, inter: int, vocab: int, dtype: torch.dtype,
+                    device: torch.device = torch.device("cpu")):
     """HF-named tensors of a Qwen2-like model (q/k/v biases: many small tensors too)."""
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
 
     def t(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype)
 
     out = [("model.embed_tokens.weight", t(vocab, hidden))]
     for i in range(layers):
@@ -276,13 +277,15 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    named = synthetic_model(args.layers, args.hidden, args.inter, args.vocab, getattr(torch, args.dtype))
+    shape = (args.layers, args.hidden, args.inter, args.vocab, getattr(torch, args.dtype))
     if args.backend == "ipc":
         args.receivers = 1
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        named = synthetic_model(*shape, device=device)
         med, total = run_ipc(args, named, device)
     else:
         device = _device(args.backend, 0)
+        named = synthetic_model(*shape)
         med, total = sender(args, named, device)
     floor = med[("floor", 0, False)]
     per_tensor = med[("per_tensor", 0, False)]

@@ -62,8 +62,17 @@ def _vllm_engine(model_path: str, cfg: RolloutConfig, **kwargs):
     return VLLMEngine(model_path, cfg, **kwargs)
 
 
+# Set by torchrun for the trainer's world; an engine spawned from a trainer rank is its own world.
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
+                  "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                  "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
+
+
 def _serve(conn, model_path: str, cfg: dict, seed: int, max_model_len: int | None, name: str,
            env: dict[str, str], factory: Callable) -> None:
+    for var in _LAUNCHER_VARS:
+        os.environ.pop(var, None)
     os.environ.update(env)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:

@@ -59,6 +59,29 @@ def compare_checksums(engine: str, expected: dict[str, int], got: dict[str, int]
                            f"({len(bad)} of {len(expected)} tensors differ)")
 
 
+def drain(named_tensors: NamedTensors, version: int) -> SyncMetrics:
+    """A non-sending trainer rank: run the (collective) export iterator to its end, send nothing."""
+    for _ in named_tensors:
+        pass
+    return SyncMetrics(version=version)
+
+
+def commit(replies: list, expected: dict[str, int], version: int, verify: bool,
+           timeout_s: float) -> None:
+    """After a transfer: check every engine worker's checksums, then reset prefix caches and tag
+    the new ``version`` (only once every engine has verified, so no engine is tagged too early).
+
+    ``replies`` pairs each engine with its per-worker results (``{"checksums": ...}`` each).
+    """
+    if verify:
+        for engine, per_worker in replies:
+            for rank, reply in enumerate(per_worker):
+                compare_checksums(f"{engine.name} (worker {rank})", expected, reply["checksums"])
+    for engine, _ in replies:
+        engine.reset_prefix_cache()
+        engine.set_weight_version(version, timeout_s=timeout_s)
+
+
 class WeightSync(abc.ABC):
     """Moves HF-named weights from the trainer to every rollout engine.
 

@@ -17,7 +17,7 @@ import torch
 from megatron_rl.rollout.remote import EngineDied
 from megatron_rl.sync import engine_side
 from megatron_rl.sync.base import (NamedTensors, SyncError, SyncMetrics, SyncTimeout, WeightSync,
-                                   compare_checksums)
+                                   commit, drain)
 from megatron_rl.sync.buckets import checksum, group_by_dtype, pack, unpack
 from megatron_rl.sync.config import SyncConfig
 from megatron_rl.sync.group import host_store, make_group, send_bucket, wait_works
@@ -135,9 +135,7 @@ class CollectiveWeightSync(WeightSync):
 
     def sync(self, named_tensors: NamedTensors, version: int) -> SyncMetrics:
         if not self.sender:
-            for _ in named_tensors:  # the export is collective; only rank 0 sends
-                pass
-            return SyncMetrics(version=version)
+            return drain(named_tensors, version)
         cfg = self.config
         t0 = time.perf_counter()
         self.connect()
@@ -163,13 +161,7 @@ class CollectiveWeightSync(WeightSync):
             if isinstance(exc, SyncError):
                 raise
             raise SyncError(f"weight sync v{version} failed: {faults}; transport said: {exc}") from exc
-        if cfg.verify:
-            for engine, per_worker in replies:
-                for rank, reply in enumerate(per_worker):
-                    compare_checksums(f"{engine.name} (worker {rank})", expected, reply["checksums"])
-        for engine in self.engines:
-            engine.reset_prefix_cache()
-            engine.set_weight_version(version, timeout_s=cfg.timeout_s)
+        commit(replies, expected, version, cfg.verify, cfg.timeout_s)
         metrics.seconds = time.perf_counter() - t0
         return metrics
 

@@ -25,7 +25,7 @@ import torch
 
 from megatron_rl.sync import engine_side
 from megatron_rl.sync.base import (NamedTensors, SyncError, SyncMetrics, SyncTimeout, WeightSync,
-                                   compare_checksums)
+                                   commit, drain)
 from megatron_rl.sync.buckets import BucketMeta, checksum, group_by_dtype, pack, unpack
 from megatron_rl.sync.config import SyncConfig
 from megatron_rl.sync.inprocess import InProcessWeightSync
@@ -192,9 +192,7 @@ class CudaIpcWeightSync(WeightSync):
             self._wake()
             return self._inprocess.sync(named_tensors, version)
         if not self.sender:
-            for _ in named_tensors:
-                pass
-            return SyncMetrics(version=version)
+            return drain(named_tensors, version)
         import zmq
 
         cfg = self.config
@@ -224,12 +222,7 @@ class CudaIpcWeightSync(WeightSync):
         finally:
             for _, sock in socks:
                 sock.close()
-        if cfg.verify:
-            for engine, per_worker in replies:
-                compare_checksums(engine.name, expected, per_worker[0]["checksums"])
-        for engine in self.engines:
-            engine.reset_prefix_cache()
-            engine.set_weight_version(version, timeout_s=cfg.timeout_s)
+        commit(replies, expected, version, cfg.verify, cfg.timeout_s)
         metrics.seconds = time.perf_counter() - t0
         return metrics
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from megatron_rl.sync.base import NamedTensors, SyncError, SyncMetrics, WeightSync
+from megatron_rl.sync.base import NamedTensors, SyncError, SyncMetrics, WeightSync, drain
 from megatron_rl.sync.config import SyncConfig
 
 
@@ -24,9 +24,7 @@ class InProcessWeightSync(WeightSync):
     def sync(self, named_tensors: NamedTensors, version: int) -> SyncMetrics:
         t0 = time.perf_counter()
         if not self.sender:
-            for _ in named_tensors:
-                pass
-            return SyncMetrics(version=version)
+            return drain(named_tensors, version)
         # one engine streams; several need the tensors more than once
         tensors = named_tensors if len(self.engines) == 1 else list(named_tensors)
         counted: list[tuple[str, object]] = []

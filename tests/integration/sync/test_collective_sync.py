@@ -16,6 +16,8 @@ import torch
 
 pytest.importorskip("vllm")
 
+from hf_ref import hf_greedy, hf_logprobs  # noqa: E402
+
 from megatron_rl.models.tiny import TinySpec, write_tiny_model  # noqa: E402
 from megatron_rl.rollout.base import SamplingSpec  # noqa: E402
 from megatron_rl.rollout.config import RolloutConfig  # noqa: E402
@@ -62,32 +64,15 @@ def _retrain(hf, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=g) * 0.5 * (p.std() if p.numel() > 1 else 1.0))
 
 
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-            if ids[-1] == hf.config.eos_token_id:
-                break
-    return ids[len(prompt):]
-
-
-def _hf_logprobs(hf, prompt: list[int], response: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = hf(torch.tensor([prompt + response])).logits[0].double()
-    logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
-    return logp.gather(1, torch.tensor(response)[:, None])[:, 0]
-
-
 def _assert_engine_matches_hf(engine, hf, version: int) -> None:
     greedy = engine.generate(PROMPTS, SamplingSpec(temperature=0.0, max_tokens=10))
     for prompt, (c,) in zip(PROMPTS, greedy):
-        assert c.token_ids == _hf_greedy(hf, prompt, 10), f"{engine.name} greedy differs from HF"
+        assert c.token_ids == hf_greedy(hf, prompt, 10), f"{engine.name} greedy differs from HF"
         assert c.weight_version == version
     sampled = engine.generate(PROMPTS, SamplingSpec(n=2, temperature=1.0, max_tokens=8, seed=3))
     for prompt, group in zip(PROMPTS, sampled):
         for c in group:
-            ref = _hf_logprobs(hf, prompt, c.token_ids)
+            ref = hf_logprobs(hf, prompt, c.token_ids)
             got = torch.tensor(c.logprobs, dtype=torch.float64)
             assert torch.allclose(got, ref, atol=2e-4, rtol=0), (engine.name, (got - ref).abs().max())
 
@@ -100,11 +85,11 @@ def test_sync_matches_hf_then_detects_corruption_then_survives_a_killed_engine(s
     path, engines, hf = setup
     cfg = SyncConfig(transport="gloo", bucket_bytes=BUCKET, timeout_s=20.0, verify=True)
     sync = build_weight_sync(cfg, engines)
-    before = [_hf_greedy(hf, p, 10) for p in PROMPTS]
+    before = [hf_greedy(hf, p, 10) for p in PROMPTS]
 
     # 1. a real sync: both engines must now behave exactly as HF with the new weights
     _retrain(hf, seed=1)
-    assert [_hf_greedy(hf, p, 10) for p in PROMPTS] != before, "retrain did not change outputs"
+    assert [hf_greedy(hf, p, 10) for p in PROMPTS] != before, "retrain did not change outputs"
     metrics = sync.sync(_named(hf), version=1)
     n_params = sum(1 for _ in hf.named_parameters())
     assert metrics.tensors == n_params and metrics.buckets > 3 and metrics.engines == 2
@@ -160,9 +145,9 @@ def test_colocated_ipc_protocol_over_shared_memory_matches_hf(setup):
     # bucket smaller than the largest tensors: those travel in one-off buffers of their own
     cfg = SyncConfig(transport="cuda_ipc", bucket_bytes=BUCKET, timeout_s=20.0, verify=True)
     with build_weight_sync(cfg, engines) as sync:
-        before = [_hf_greedy(hf, p, 10) for p in PROMPTS]
+        before = [hf_greedy(hf, p, 10) for p in PROMPTS]
         _retrain(hf, seed=5)
-        assert [_hf_greedy(hf, p, 10) for p in PROMPTS] != before, "retrain did not change outputs"
+        assert [hf_greedy(hf, p, 10) for p in PROMPTS] != before, "retrain did not change outputs"
         metrics = sync.sync(_named(hf), version=7)
         assert metrics.tensors == sum(1 for _ in hf.named_parameters()) and metrics.buckets > 3
         for e in engines:

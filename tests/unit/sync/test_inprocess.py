@@ -1,0 +1,65 @@
+"""In-process transport and the factory (pure logic; the engine here is a recording stand-in)."""
+
+import pytest
+import torch
+
+from megatron_rl.config.base import ConfigError
+from megatron_rl.sync import SyncConfig, SyncError, build_weight_sync
+from megatron_rl.sync.inprocess import InProcessWeightSync
+
+
+class RecordingEngine:
+    def __init__(self, name, honour_version=True):
+        self.name, self.weight_version, self.loaded = name, 0, {}
+        self.honour_version = honour_version
+
+    def update_weights(self, named_tensors, version):
+        self.loaded = {n: t.clone() for n, t in named_tensors}
+        if self.honour_version:
+            self.weight_version = version
+        return {}
+
+
+def _named():
+    g = torch.Generator().manual_seed(0)
+    return [(f"w{i}", torch.randn(3, 4, generator=g)) for i in range(5)]
+
+
+def test_every_engine_gets_every_tensor_from_a_single_pass_iterator():
+    engines = [RecordingEngine("a"), RecordingEngine("b")]
+    sync = build_weight_sync(SyncConfig(transport="inprocess"), engines)
+    assert isinstance(sync, InProcessWeightSync)
+    named = _named()
+    metrics = sync.sync(iter(named), version=3)  # an iterator can be consumed only once
+    for e in engines:
+        assert e.weight_version == 3
+        assert list(e.loaded) == [n for n, _ in named]
+        assert all(torch.equal(e.loaded[n], t) for n, t in named)
+    assert metrics.tensors == 5 and metrics.bytes == 5 * 12 * 4 and metrics.engines == 2
+
+
+def test_engine_that_keeps_its_old_version_is_reported_by_name():
+    sync = build_weight_sync(SyncConfig(transport="inprocess"), [RecordingEngine("stale", False)])
+    with pytest.raises(SyncError, match="engine stale: weight_version is 0 after loading version 1"):
+        sync.sync(iter(_named()), version=1)
+
+
+def test_non_sender_rank_drains_the_collective_iterator():
+    drained = []
+
+    def export():
+        for name, t in _named():
+            drained.append(name)
+            yield name, None
+
+    engine = RecordingEngine("a")
+    metrics = build_weight_sync(SyncConfig(), [engine], sender=False).sync(export(), version=2)
+    assert len(drained) == 5 and engine.loaded == {} and metrics.tensors == 0
+
+
+def test_factory_validates_and_refuses_nccl_without_cuda():
+    with pytest.raises(ConfigError, match="timeout_s"):
+        build_weight_sync(SyncConfig(timeout_s=-1.0), [])
+    if not torch.cuda.is_available():
+        with pytest.raises(SyncError, match="needs CUDA"):
+            build_weight_sync(SyncConfig(transport="nccl"), [RecordingEngine("a")])
