@@ -10,7 +10,7 @@ from megatron_rl.rewards import RewardConfig, RewardItem
 from megatron_rl.rewards.code import build_cases, code_reward, extract_code, stdout_matches
 from megatron_rl.rewards.sandbox import isolation_mode
 
-pytestmark = [pytest.mark.timeout(120),
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120),
               pytest.mark.skipif(isolation_mode() == "none", reason="no namespaces here")]
 
 # sum of two numbers; expected outputs computed here, independently of any program under test

@@ -12,7 +12,7 @@ from megatron_rl.rewards import RewardItem
 from megatron_rl.rewards.math import exact_boxed
 from megatron_rl.rewards.pool import HardTimeoutPool
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 TASKS = [(exact_boxed, (RewardItem(f"\\boxed{{{i}}}", str(i % 2), "exact_boxed"),), 30.0)
          for i in range(4)]

@@ -14,7 +14,7 @@ from megatron_rl.rewards.base import Outcome
 
 # A power tower: math-verify's evaluation sits in one big-int power in C for minutes and SIGALRM
 # cannot interrupt it (checked by hand: with its own timeout off it does not return in 15 s).
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 HANG = "\\boxed{9^{9^{9}}}"
 

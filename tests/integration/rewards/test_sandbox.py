@@ -19,6 +19,7 @@ from megatron_rl.rewards.config import SandboxConfig
 from megatron_rl.rewards.sandbox import Sandbox, SandboxUnavailable, isolation_mode
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.timeout(120),
     pytest.mark.skipif(isolation_mode() == "none", reason="no namespaces on this machine"),
 ]
