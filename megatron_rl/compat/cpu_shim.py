@@ -3,27 +3,34 @@
 Megatron-Core 0.16.1 assumes a GPU in a handful of spots even when the model itself is on the CPU
 (``use_cpu_initialization=True``) and the collectives go through gloo. With the patches below its
 tensor-, pipeline- and data-parallel code paths (incl. the distributed optimizer and distributed
-checkpointing) run on the CPU and give the single-rank numbers exactly:
+checkpointing) run on the CPU and give the single-rank numbers exactly.
+
+:func:`apply_cpu_shim` (process-wide, idempotent):
 
 * ``torch.cuda.current_device`` returns the CPU device (Megatron allocates with
   ``device=torch.cuda.current_device()``, also inside backward functions) and ``synchronize`` does
   nothing; ``get_rng_state`` / ``set_rng_state`` / ``manual_seed`` act on the CPU generator (the RNG
   tracker of ``tensor_parallel.random`` forks "the CUDA RNG", which on the CPU is the CPU RNG);
 * ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` use the CPU generator;
-* a :class:`~torch.overrides.TorchFunctionMode` redirects tensors that Megatron creates or moves to
-  ``"cuda"`` / ``cuda:N`` / an integer device to the CPU, turns ``Tensor.cuda()`` into a no-op, and
-  reports CPU float tensors as ``torch.cuda.*Tensor`` from the argument-less ``Tensor.type()``
-  (Megatron asserts on that string in ``clip_grads`` and its optimizers). A mode is switched off
-  while it handles a call, so it does not reach into ``backward()``: backward code must use
-  ``current_device()`` (Megatron's does).
+* the per-step Megatron modules that allocate with ``device="cuda"`` (the pipeline schedules'
+  token counter, the default causal mask) see a ``torch`` whose factory functions put such tensors
+  on the CPU.
 
-Nothing is patched when CUDA is available: :func:`apply_cpu_shim` is then a no-op. It is idempotent.
-The device mode is entered on the calling thread (torch keeps function modes per thread), which is
-the thread that drives Megatron.
+:func:`megatron_cpu_scope` (a context manager, for the one-off and optimizer calls): a
+:class:`~torch.overrides.TorchFunctionMode` redirects every tensor created or moved to ``"cuda"`` /
+``cuda:N`` / an integer device to the CPU, turns ``Tensor.cuda()`` into a no-op and reports CPU
+float tensors as ``torch.cuda.*Tensor`` from the argument-less ``Tensor.type()`` (Megatron asserts
+on that string in ``clip_grads`` and its optimizers). It is scoped, not global: a mode puts every
+torch call through Python (~25% slower forward/backward on a tiny model), and other code (vLLM in
+the same process) should not see it. A mode is also switched off while it handles a call, so it
+never reaches into ``backward()``: backward code relies on ``current_device()`` above.
+
+Nothing is patched when CUDA is available: both are then no-ops.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -113,6 +120,46 @@ def _patch_megatron_rng() -> None:
     mrandom._set_cuda_rng_state = set_state
 
 
+class _CpuFactoryTorch:
+    """Stands in for ``torch`` inside a Megatron module: factory calls asked for a CUDA device get
+    the CPU; every other attribute is torch's own."""
+
+    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like",
+                  "empty_like")
+
+    def __init__(self):
+        for name in self._FACTORIES:
+            setattr(self, name, self._redirect(getattr(torch, name)))
+
+    @staticmethod
+    def _redirect(factory):
+        def call(*args, **kwargs):
+            if _is_cuda_device(kwargs.get("device")):
+                kwargs["device"] = _CPU
+            return factory(*args, **kwargs)
+
+        return call
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+# Megatron modules that allocate on "cuda" on every step (outside megatron_cpu_scope).
+_PER_STEP_MODULES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.transformer.utils")
+
+
+def _patch_megatron_factories() -> None:
+    import importlib
+
+    proxy = _CpuFactoryTorch()
+    for name in _PER_STEP_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # megatron-core absent
+            continue
+        module.torch = proxy
+
+
 def cpu_shim_active() -> bool:
     """Whether :func:`apply_cpu_shim` has patched this process."""
     return bool(_STATE["applied"])
@@ -121,8 +168,7 @@ def cpu_shim_active() -> bool:
 def apply_cpu_shim() -> bool:
     """Make Megatron-Core run on the CPU; returns True when the shim is active.
 
-    A no-op returning False when CUDA is available. Idempotent: a second call only enters the device
-    mode on a thread that has not got it yet.
+    A no-op returning False when CUDA is available. Idempotent.
     """
     if torch.cuda.is_available():
         return False
@@ -130,17 +176,16 @@ def apply_cpu_shim() -> bool:
         if not _STATE["applied"]:
             _patch_torch_cuda()
             _patch_megatron_rng()
+            _patch_megatron_factories()
             _STATE["applied"] = True
-        _enter_device_mode()
     return True
 
 
-_THREAD_MODES = threading.local()
-
-
-def _enter_device_mode() -> None:
-    if getattr(_THREAD_MODES, "mode", None) is not None:
+@contextlib.contextmanager
+def megatron_cpu_scope():
+    """Inside: CUDA placements go to the CPU (see the module doc). A no-op without the shim."""
+    if not _STATE["applied"]:
+        yield
         return
-    mode = _CudaToCpuMode()
-    mode.__enter__()  # stays on this thread's mode stack for the life of the process
-    _THREAD_MODES.mode = mode
+    with _CudaToCpuMode():
+        yield

@@ -21,7 +21,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from megatron_rl.compat import apply_cpu_shim
+from megatron_rl.compat import apply_cpu_shim, megatron_cpu_scope
 from megatron_rl.config.base import ConfigError
 from megatron_rl.models.config import ParallelConfig
 
@@ -154,13 +154,14 @@ def init_distributed(cfg: ParallelConfig, timeout_s: float | None = None,
     layout = (cfg.tensor_parallel, cfg.pipeline_parallel, cfg.virtual_pipeline)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=cfg.tensor_parallel,
-        pipeline_model_parallel_size=cfg.pipeline_parallel,
-        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline if cfg.vpp > 1 else None,
-        distributed_timeout_minutes=max(1, int(-(-timeout_s // 60))),
-    )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    with megatron_cpu_scope():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.tensor_parallel,
+            pipeline_model_parallel_size=cfg.pipeline_parallel,
+            virtual_pipeline_model_parallel_size=cfg.virtual_pipeline if cfg.vpp > 1 else None,
+            distributed_timeout_minutes=max(1, int(-(-timeout_s // 60))),
+        )
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
     _GENERATION["value"] += 1
     _GENERATION["layout"] = dict(zip(("tensor_parallel", "pipeline_parallel", "virtual_pipeline"),
                                      layout))

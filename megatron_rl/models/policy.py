@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_rl.compat import megatron_cpu_scope
 from megatron_rl.models import hf_bridge
 from megatron_rl.models.batch import (MicroBatch, SequenceBatch, pack_micro_batches,
                                       pad_token_fields, shard_for_dp)
@@ -90,6 +91,39 @@ def _reduce_metrics(dicts: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def _wrap_for_training(chunks: list, cfg: PolicyConfig, dtype: torch.dtype):
+    """Megatron DDP around each chunk, the (distributed) Adam optimizer and the LR schedule."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    par, oc = cfg.parallel, cfg.optim
+    config = chunks[0].config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=par.use_distributed_optimizer, check_for_nan_in_grad=False)
+    model = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+             for i, chunk in enumerate(chunks)]
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=oc.lr, min_lr=oc.min_lr, weight_decay=oc.weight_decay,
+        adam_beta1=oc.adam_beta1, adam_beta2=oc.adam_beta2, adam_eps=oc.adam_eps,
+        clip_grad=oc.clip_grad, bf16=dtype == torch.bfloat16, fp16=False, params_dtype=dtype,
+        use_distributed_optimizer=par.use_distributed_optimizer), model)
+    decay_steps = oc.lr_decay_steps or oc.lr_warmup_steps + 1
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=oc.lr, min_lr=oc.min_lr,
+        lr_warmup_steps=oc.lr_warmup_steps, lr_decay_steps=decay_steps,
+        lr_decay_style=oc.lr_decay_style, start_wd=oc.weight_decay, end_wd=oc.weight_decay,
+        wd_incr_steps=decay_steps, wd_incr_style="constant")
+    # Sum, never average: calculate_per_token_loss=True keeps Megatron from dividing the loss by
+    # the micro-batch count and DDP from scaling by 1/DP; finalize without token scaling.
+    config.finalize_model_grads_func = (
+        lambda m, num_tokens, **kw: finalize_model_grads(m, None, **kw))
+    config.grad_scale_func = optimizer.scale_loss
+    return model, optimizer, scheduler
+
+
 class MegatronPolicy:
     """A Megatron-Core GPT policy on one layout; every method is collective over the world."""
 
@@ -107,11 +141,6 @@ class MegatronPolicy:
     @classmethod
     def from_hf(cls, hf_dir: str, cfg: PolicyConfig, groups: ParallelGroups) -> MegatronPolicy:
         """Build the model for ``groups``' layout from ``hf_dir`` and load its weights."""
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
         cfg.validate()
         groups.check_current()
         par = cfg.parallel
@@ -124,31 +153,10 @@ class MegatronPolicy:
         arch = hf_bridge.read_hf_config(hf_dir)
         check_layout(par, groups.world_size, arch.shape)  # before building anything
         dtype = torch.bfloat16 if cfg.params_dtype == "bf16" else torch.float32
-        chunks = hf_bridge.build_model_chunks(arch, groups, dtype)
-        hf_bridge.load_hf_weights(arch, chunks, hf_dir, groups)
-
-        config = chunks[0].config
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=par.use_distributed_optimizer, check_for_nan_in_grad=False)
-        model = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
-                 for i, chunk in enumerate(chunks)]
-        oc = cfg.optim
-        optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=oc.lr, min_lr=oc.min_lr, weight_decay=oc.weight_decay,
-            adam_beta1=oc.adam_beta1, adam_beta2=oc.adam_beta2, adam_eps=oc.adam_eps,
-            clip_grad=oc.clip_grad, bf16=dtype == torch.bfloat16, fp16=False, params_dtype=dtype,
-            use_distributed_optimizer=par.use_distributed_optimizer), model)
-        decay_steps = oc.lr_decay_steps or max(oc.lr_warmup_steps, 0) + 1
-        scheduler = OptimizerParamScheduler(
-            optimizer, init_lr=0.0, max_lr=oc.lr, min_lr=oc.min_lr,
-            lr_warmup_steps=oc.lr_warmup_steps, lr_decay_steps=decay_steps,
-            lr_decay_style=oc.lr_decay_style, start_wd=oc.weight_decay, end_wd=oc.weight_decay,
-            wd_incr_steps=decay_steps, wd_incr_style="constant")
-        # No token scaling: the loss function already applied the global denominators.
-        config.finalize_model_grads_func = (
-            lambda m, num_tokens, **kw: finalize_model_grads(m, None, **kw))
-        config.grad_scale_func = optimizer.scale_loss
+        with megatron_cpu_scope():  # construction allocates on "cuda" (no-op with CUDA)
+            chunks = hf_bridge.build_model_chunks(arch, groups, dtype)
+            hf_bridge.load_hf_weights(arch, chunks, hf_dir, groups)
+            model, optimizer, scheduler = _wrap_for_training(chunks, cfg, dtype)
         return cls(arch, cfg, groups, model, optimizer, scheduler)
 
     # ---------------------------------------------------------------- schedule plumbing
@@ -249,11 +257,10 @@ class MegatronPolicy:
         total = offsets[-1]
         flat = torch.zeros(2, total, dtype=torch.float32, device=g.device)
         if g.is_last_stage and g.tp_rank == 0:
+            starts = torch.tensor(offsets[:-1], dtype=torch.long, device=g.device)
             for mb, logp, ent in out:
-                rows = mb.pos_b.tolist()
-                cols = mb.col.tolist()
-                where = torch.tensor([offsets[mb.index[r]] + c for r, c in zip(rows, cols)],
-                                     dtype=torch.long, device=g.device)
+                index = torch.tensor(mb.index, dtype=torch.long, device=g.device)
+                where = starts[index[mb.pos_b]] + mb.col
                 flat[0, where] = logp.float()
                 if ent is not None:
                     flat[1, where] = ent.float()
@@ -291,7 +298,8 @@ class MegatronPolicy:
         stored = self._run(micro, loss_step, forward_only=False)
         self.scheduler.step(increment=1)  # this step's learning rate (warm-up starts above 0)
         lr = float(self.optimizer.param_groups[0]["lr"])
-        ok, grad_norm, _ = self.optimizer.step()
+        with megatron_cpu_scope():
+            ok, grad_norm, _ = self.optimizer.step()
         self.steps += 1
         mine = stored if (g.is_last_stage and g.tp_rank == 0) else []
         gathered: list = [None] * g.world_size
@@ -363,7 +371,8 @@ class MegatronPolicy:
             if any(path.iterdir()):
                 raise FileExistsError(f"checkpoint directory {path} is not empty")
         _barrier(g)
-        dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(path))
+        with megatron_cpu_scope():
+            dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(path))
         rng_dir = path / _RNG_DIR
         if g.rank == 0:
             rng_dir.mkdir(exist_ok=True)
@@ -386,11 +395,12 @@ class MegatronPolicy:
         if not (path / "metadata.json").is_file():
             raise FileNotFoundError(f"{path} is not a Megatron distributed checkpoint "
                                     f"(no metadata.json)")
-        loaded = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(path))
-        for i, chunk in enumerate(self.model):
-            chunk.module.load_state_dict(loaded[f"model_chunk{i}"])
-        self.optimizer.load_state_dict(loaded["optimizer"])
-        self.scheduler.load_state_dict(loaded["scheduler"])
+        with megatron_cpu_scope():
+            loaded = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(path))
+            for i, chunk in enumerate(self.model):
+                chunk.module.load_state_dict(loaded[f"model_chunk{i}"])
+            self.optimizer.load_state_dict(loaded["optimizer"])
+            self.scheduler.load_state_dict(loaded["scheduler"])
         self.steps = int(loaded["steps"])
         rng_file = path / _RNG_DIR / f"rank{g.rank}.pt"
         if rng_file.is_file():

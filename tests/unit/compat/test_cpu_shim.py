@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from megatron_rl.compat import apply_cpu_shim, cpu_shim_active
+from megatron_rl.compat import apply_cpu_shim, cpu_shim_active, megatron_cpu_scope
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shim is inactive with CUDA")
 
@@ -30,7 +30,7 @@ def _run(code: str) -> str:
 def test_fresh_process_needs_shim_and_apply_is_idempotent():
     out = _run("""
         import torch
-        from megatron_rl.compat import apply_cpu_shim, cpu_shim_active
+        from megatron_rl.compat import apply_cpu_shim, cpu_shim_active, megatron_cpu_scope
         try:
             torch.zeros(1, device="cuda")
             print("before: ok")
@@ -38,12 +38,16 @@ def test_fresh_process_needs_shim_and_apply_is_idempotent():
             print("before: fails")
         depth = torch._C._len_torch_function_stack()
         assert apply_cpu_shim() and apply_cpu_shim() and cpu_shim_active()
-        print("modes added:", torch._C._len_torch_function_stack() - depth)
-        print("after:", torch.zeros(1, device="cuda").device)
+        print("global modes added:", torch._C._len_torch_function_stack() - depth)
+        with megatron_cpu_scope():
+            print("in scope:", torch.zeros(1, device="cuda").device)
+        from megatron.core.pipeline_parallel import schedules
+        print("schedules:", schedules.torch.zeros([], dtype=torch.int, device="cuda").device)
     """)
     assert "before: fails" in out  # the patching is really needed on this machine
-    assert "modes added: 1" in out  # a second call does not stack a second mode
-    assert "after: cpu" in out
+    assert "global modes added: 0" in out  # the device mode is scoped, never left on
+    assert "in scope: cpu" in out
+    assert "schedules: cpu" in out
 
 
 def test_noop_when_cuda_is_available():
@@ -52,7 +56,7 @@ def test_noop_when_cuda_is_available():
         torch.cuda.is_available = lambda: True
         before = (torch.cuda.current_device, torch.cuda.manual_seed, torch.cuda.get_rng_state)
         depth = torch._C._len_torch_function_stack()
-        from megatron_rl.compat import apply_cpu_shim, cpu_shim_active
+        from megatron_rl.compat import apply_cpu_shim, cpu_shim_active, megatron_cpu_scope
         print("applied:", apply_cpu_shim(), cpu_shim_active())
         after = (torch.cuda.current_device, torch.cuda.manual_seed, torch.cuda.get_rng_state)
         print("unchanged:", before == after and torch._C._len_torch_function_stack() == depth)
@@ -61,21 +65,23 @@ def test_noop_when_cuda_is_available():
     assert "unchanged: True" in out
 
 
-def test_cuda_placements_land_on_cpu():
+def test_cuda_placements_land_on_cpu_inside_the_scope():
     assert apply_cpu_shim()
     assert torch.cuda.current_device() == torch.device("cpu")
     torch.cuda.synchronize()
     x = torch.arange(4.0)
-    for device in ("cuda", "cuda:0", torch.device("cuda"), torch.cuda.current_device()):
-        assert torch.zeros(2, device=device).device.type == "cpu"
-        assert torch.tensor([1.0], device=device).device.type == "cpu"
-        assert x.to(device).device.type == "cpu"
-        assert x.to(device=device).device.type == "cpu"
-    assert x.cuda() is x
-    assert x.type() == "torch.cuda.FloatTensor"
-    assert x.type(torch.float64).dtype == torch.float64  # the converting form is untouched
-    assert x.to(torch.float64).dtype == torch.float64
-    assert torch.zeros(2, device="meta").device.type == "meta"
+    with megatron_cpu_scope():
+        for device in ("cuda", "cuda:0", torch.device("cuda"), 0):
+            assert torch.zeros(2, device=device).device.type == "cpu"
+            assert torch.tensor([1.0], device=device).device.type == "cpu"
+            assert x.to(device).device.type == "cpu"
+            assert x.to(device=device).device.type == "cpu"
+        assert x.cuda() is x
+        assert x.type() == "torch.cuda.FloatTensor"
+        assert x.type(torch.float64).dtype == torch.float64  # the converting form is untouched
+        assert x.to(torch.float64).dtype == torch.float64
+        assert torch.zeros(2, device="meta").device.type == "meta"
+    assert x.type() == "torch.FloatTensor"  # nothing leaks out of the scope
 
 
 def test_backward_functions_are_covered_too():
@@ -125,7 +131,7 @@ def test_megatron_clip_grads_on_cpu_matches_float64(tmp_path):
     # Megatron's clipping all-reduces over a process group: run it in a fresh one-rank gloo world.
     out = _run(f"""
         import torch
-        from megatron_rl.compat import apply_cpu_shim
+        from megatron_rl.compat import apply_cpu_shim, megatron_cpu_scope
         apply_cpu_shim()
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
         store = torch.distributed.FileStore({str(tmp_path / "store")!r}, 1)
@@ -135,8 +141,9 @@ def test_megatron_clip_grads_on_cpu_matches_float64(tmp_path):
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen)
         torch.save([p.grad.clone() for p in params], {str(tmp_path / "before.pt")!r})
-        norm = get_grad_norm_fp32([p.grad for p in params])
-        clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=norm)
+        with megatron_cpu_scope():
+            norm = get_grad_norm_fp32([p.grad for p in params])
+            clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=norm)
         torch.save([p.grad for p in params], {str(tmp_path / "after.pt")!r})
         print("norm", repr(norm))
         torch.distributed.destroy_process_group()
