@@ -42,6 +42,17 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["data", "difficulty"]:  # its own option parser (argparse.REMAINDER drops --options)
+        _setup_logging()
+        from megatron_rl.data import DataError
+        from megatron_rl.data.difficulty import cli_main
+
+        try:
+            return cli_main(argv[2:])
+        except DataError as exc:
+            print(f"megatron-rl data difficulty: {exc}", file=sys.stderr)
+            return 2
     p = argparse.ArgumentParser(prog="megatron-rl", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -57,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("configs", nargs="+")
     dd = sub.add_parser("data", help="data tools")
     dsub = dd.add_subparsers(dest="data_cmd", required=True)
-    diff = dsub.add_parser("difficulty", help="label prompts solved / unsolved / hard / suspected wrong label")
-    diff.add_argument("args", nargs=argparse.REMAINDER)
+    dsub.add_parser("difficulty", help="label prompts solved / unsolved / hard / suspected wrong label "
+                                       "(`megatron-rl data difficulty --help`)")
     args = p.parse_args(argv)
 
     _setup_logging()
@@ -76,10 +87,6 @@ def main(argv: list[str] | None = None) -> int:
                 load_config(c)
                 print(f"ok  {c}")
             return 0
-        if args.cmd == "data" and args.data_cmd == "difficulty":
-            from megatron_rl.data.difficulty import cli_main
-
-            return cli_main(args.args)
     except ConfigError as exc:
         print(f"megatron-rl: {exc}", file=sys.stderr)
         return 2

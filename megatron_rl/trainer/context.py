@@ -93,7 +93,7 @@ def prepare_inputs(cfg, run: RunDir) -> None:
 def build_context(cfg) -> Context:
     from transformers import AutoTokenizer
 
-    from megatron_rl.data import load_prompts
+    from megatron_rl.data import DataConfig, load_prompts
     from megatron_rl.models import MegatronPolicy, init_distributed
     from megatron_rl.rewards import RewardManager
     from megatron_rl.rollout import make_engine
@@ -115,10 +115,13 @@ def build_context(cfg) -> Context:
     if ctx.is_driver:
         ctx.engine = make_engine(model_path, cfg.rollout, seed=cfg.trainer.seed, max_model_len=max_len)
         ctx.reward_mgr = RewardManager(cfg.reward)
-        ctx.train_records, stats = load_prompts(cfg.data.train_path, tokenizer, cfg.data)
+        max_len = cfg.rollout.max_prompt_len
+        ctx.train_records, stats = load_prompts(cfg.data.train_path, tokenizer, cfg.data, max_prompt_len=max_len)
         log.info("train data: %s", stats)
-        if cfg.eval.path:
-            ctx.eval_records, _ = load_prompts(cfg.eval.path, tokenizer, cfg.data)
+        if cfg.eval.path:  # the held-out set is never filtered by difficulty labels
+            eval_cfg = DataConfig.from_dict({**cfg.data.to_dict(), "keep_labels": [], "pass_rate_min": 0.0,
+                                             "pass_rate_max": 1.0})
+            ctx.eval_records, _ = load_prompts(cfg.eval.path, tokenizer, eval_cfg, max_prompt_len=max_len)
             if cfg.eval.size:
                 ctx.eval_records = ctx.eval_records[: cfg.eval.size]
         run_state = run.read_run_state()

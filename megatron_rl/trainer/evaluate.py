@@ -24,7 +24,7 @@ def evaluate(ctx, max_tokens: int, records=None, prefix: str = "eval") -> dict:
     spec = SamplingSpec(n=1, temperature=0.0, max_tokens=ctx.cfg.rollout.eval_max_tokens or max_tokens)
     outs = [g[0] for g in ctx.engine.generate([r.prompt_ids for r in records], spec)]
     items = [RewardItem(response=o.text, ground_truth=r.ground_truth, style=r.style,
-                        extra={"question": r.prompt_text}) for o, r in zip(outs, records)]
+                        extra={"question": r.prompt_text, "data_source": r.data_source}) for o, r in zip(outs, records)]
     scores, _ = ctx.reward_mgr.score(items)
     correct = torch.tensor(scores) >= ctx.cfg.algo.correct_reward
     trunc = torch.tensor([o.truncated for o in outs])

@@ -45,7 +45,8 @@ def generate(engine, records, cfg, max_response_len: int, seed: int) -> Rollout:
 
 def score(reward_mgr, ro: Rollout) -> dict:
     items = [RewardItem(response=c.text, ground_truth=ro.records[g].ground_truth,
-                        style=ro.records[g].style, extra={"question": ro.records[g].prompt_text})
+                        style=ro.records[g].style, extra={"question": ro.records[g].prompt_text,
+                               "data_source": ro.records[g].data_source})
              for c, g in zip(ro.completions, ro.group_ids.tolist())]
     scores, metrics = reward_mgr.score(items)
     ro.rewards = torch.tensor(scores, dtype=torch.float32)
