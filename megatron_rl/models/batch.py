@@ -74,8 +74,6 @@ class MicroBatch:
 def shard_for_dp(lengths: list[int], dp: int) -> list[list[int]]:
     """Split sequence indices over ``dp`` ranks, balancing total tokens (longest first onto the
     lightest rank). Every rank gets at least one sequence when there are at least ``dp``."""
-    if len(lengths) < dp:
-        raise ValueError(f"{len(lengths)} sequences cannot be split over {dp} data-parallel ranks")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     heap = [(0, 0, r) for r in range(dp)]  # (tokens, sequences, rank)
     shards: list[list[int]] = [[] for _ in range(dp)]

@@ -48,6 +48,9 @@ class _Micro:
     labels: torch.Tensor  # [N] the response token ids
     mask: torch.Tensor  # [b, T]
     width: int  # T
+    # A stand-in so that a rank with no response tokens still runs the schedule (and joins the
+    # gradient all-reduce): its outputs are ignored and its loss is 0.
+    dummy: bool = False
 
 
 def _make_micro(batch: SequenceBatch, index: list[int], seq_len: int, rows: int, device) -> _Micro:
@@ -163,7 +166,13 @@ class MegatronPolicy:
     def _micro_batches(self, batch: SequenceBatch) -> list[_Micro]:
         g = self.groups
         lengths = [len(s) for s in batch.sequences]
-        mine = shard_for_dp(lengths, g.dp)[g.dp_rank]
+        # Sequences without response tokens contribute nothing: never sent through the model.
+        useful = [i for i, n in enumerate(batch.response_lens) if n > 0]
+        shard = shard_for_dp([lengths[i] for i in useful], g.dp)[g.dp_rank]
+        mine = [useful[k] for k in shard]
+        dummy = not mine
+        if dummy:
+            mine = [min(range(len(lengths)), key=lambda i: lengths[i])]
         groups = pack_micro_batches(lengths, mine, self.cfg.micro_batch_tokens,
                                     multiple_of=g.pp if g.vpp > 1 else 1)
         pad_to = g.tp if g.sequence_parallel else 1  # sequence parallel splits the sequence
@@ -173,8 +182,11 @@ class MegatronPolicy:
             # on gloo): one padded shape for every micro-batch of the step.
             common = (max(s for s, _ in shapes), max(r for _, r in shapes))
             shapes = [common] * len(groups)
-        return [_make_micro(batch, idx, seq, rows, g.device)
-                for idx, (seq, rows) in zip(groups, shapes)]
+        micro = [_make_micro(batch, idx, seq, rows, g.device)
+                 for idx, (seq, rows) in zip(groups, shapes)]
+        for mb in micro:
+            mb.dummy = dummy
+        return micro
 
     def _token_stats(self, mb: _Micro, hidden: torch.Tensor, chunk, temperature: float,
                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -258,7 +270,7 @@ class MegatronPolicy:
         flat = torch.zeros(2, total, dtype=torch.float32, device=g.device)
         if g.is_last_stage and g.tp_rank == 0:
             starts = torch.tensor(offsets[:-1], dtype=torch.long, device=g.device)
-            for mb, logp, ent in out:
+            for mb, logp, ent in (o for o in out if not o[0].dummy):
                 index = torch.tensor(mb.index, dtype=torch.long, device=g.device)
                 where = starts[index[mb.pos_b]] + mb.col
                 flat[0, where] = logp.float()
@@ -283,6 +295,8 @@ class MegatronPolicy:
 
         def loss_step(mb, chunk, hidden):
             logp, ent = self._token_stats(mb, hidden, chunk, temperature, with_entropy)
+            if mb.dummy:  # keeps the graph (and the collectives in backward) with a zero loss
+                return logp.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
             b = len(mb.index)
             dense = logp.new_zeros(b, mb.width).index_put((mb.pos_b, mb.col), logp)
             dense_ent = (ent.new_zeros(b, mb.width).index_put((mb.pos_b, mb.col), ent)

@@ -93,7 +93,7 @@ def hf_reference(hf_dir: str | Path, batch, temperature: float, grads: bool = Tr
                 .sum() - ENT_COEF * ent.sum()) / denom
         if grads:
             loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
         logps.append(lp.detach())
         ents.append(ent.detach())
     g = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -45,9 +45,13 @@ def _save(out: Path, case: str, result: dict) -> None:
         torch.save(result, out / f"{case}.pt")
 
 
-def run_layout(out, hf_dir, case, grads=True, **layout):
+# Fewer sequences with response tokens (2) than DP ranks (4): two ranks run a stand-in micro-batch.
+SPARSE_LENGTHS, SPARSE_PROMPTS = [12, 7, 9], [4, 7, 3]
+
+
+def run_layout(out, hf_dir, case, grads=True, sparse=False, **layout):
     policy = _policy(hf_dir, **layout)
-    batch = make_batch(LENGTHS, PROMPTS)
+    batch = make_batch(SPARSE_LENGTHS, SPARSE_PROMPTS) if sparse else make_batch(LENGTHS, PROMPTS)
     logps, ents = policy.compute_logprobs(batch, TEMPERATURE)
     metrics = policy.train_step(batch, make_loss_fn(batch), TEMPERATURE, with_entropy=True)
     result = {"logps": logps, "ents": ents, "metrics": metrics,
@@ -130,6 +134,8 @@ def main() -> None:
         "tp2_distopt": lambda: run_layout(out, llama, "tp2_distopt", grads=False, tp=2,
                                           distopt=True),
         "tied_tp2pp2": lambda: run_layout(out, hf_root / "qwen2", "tied_tp2pp2", tp=2, pp=2),
+        "qknorm_tp2pp2": lambda: run_layout(out, hf_root / "qwen3", "qknorm_tp2pp2", tp=2, pp=2),
+        "sparse_dp4": lambda: run_layout(out, llama, "sparse_dp4", sparse=True),
         "roundtrip": lambda: run_round_trip(out, hf_root),
         "checkpoint": lambda: run_checkpoints(out, llama, out / "ckpt"),
         "bad_layouts": lambda: run_bad_layouts(out, llama),

@@ -2,8 +2,8 @@
 
 One ``torchrun --nproc-per-node 4`` launch (policy_worker.py) runs every case and saves the
 Megatron numbers; this file compares them with float64 transformers and with the single-rank run.
-Model: Llama, 4 layers, 4 heads / 2 KV heads, vocabulary 61 (padded: exercises the padding mask),
-fp32. Tolerances:
+Models: Llama (4 layers, 4 heads / 2 KV heads), Qwen2 with tied embeddings, Qwen3 with q/k norms;
+vocabulary 61 (padded: exercises the padding mask); fp32. Tolerances:
   * log-probs, entropies vs transformers: 2e-5 absolute; summed loss: 1e-5 absolute;
   * gradients vs transformers: 1e-5 x the tensor's largest entry (observed ~1e-6);
   * vs the TP=1 run: log-probs 5e-6; weights after one Adam step (lr 1e-3): 2e-5 (Adam's first step
@@ -27,7 +27,9 @@ from policy_testlib import hf_reference, make_batch, max_abs_diff, write_hf_mode
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
-LAYOUTS = ["tp2", "tp2_sp", "pp2", "tp2pp2", "pp2_vpp2", "tp2_distopt", "tied_tp2pp2"]
+LAYOUTS = ["tp2", "tp2_sp", "pp2", "tp2pp2", "pp2_vpp2", "tp2_distopt", "tied_tp2pp2",
+           "qknorm_tp2pp2"]
+ARCH = {"tied_tp2pp2": "qwen2", "qknorm_tp2pp2": "qwen3"}  # others: llama
 
 
 def _free_port() -> int:
@@ -53,8 +55,11 @@ def run(tmp_path_factory):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     worker = _worker_module()
     batch = make_batch(worker.LENGTHS, worker.PROMPTS)
-    refs = {arch: hf_reference(hf / arch, batch, worker.TEMPERATURE) for arch in ("llama", "qwen2")}
-    return {"out": out, "hf": hf, "refs": refs, "batch": batch,
+    sparse = make_batch(worker.SPARSE_LENGTHS, worker.SPARSE_PROMPTS)
+    refs = {arch: hf_reference(hf / arch, batch, worker.TEMPERATURE)
+            for arch in ("llama", "qwen2", "qwen3")}
+    refs["sparse"] = hf_reference(hf / "llama", sparse, worker.TEMPERATURE)
+    return {"out": out, "hf": hf, "refs": refs, "batch": batch, "sparse": sparse,
             "load": lambda case: torch.load(out / f"{case}.pt", weights_only=False)}
 
 
@@ -70,17 +75,21 @@ def _max_weight_diff(a: dict, b: dict) -> float:
     return max(float((a[n].double() - b[n].double()).abs().max()) for n in a)
 
 
-@pytest.mark.parametrize("case", ["tp1", *LAYOUTS])
+@pytest.mark.parametrize("case", ["tp1", *LAYOUTS, "sparse_dp4"])
 def test_layout_matches_transformers(case, run):
     got = run["load"](case)
-    ref_logps, ref_ents, ref_loss, ref_grads = run["refs"]["qwen2" if "tied" in case else "llama"]
+    batch = run["sparse"] if case == "sparse_dp4" else run["batch"]
+    ref = run["refs"]["sparse"] if case == "sparse_dp4" else run["refs"][ARCH.get(case, "llama")]
+    ref_logps, ref_ents, ref_loss, ref_grads = ref
+    assert [t.shape[0] for t in got["logps"]] == batch.response_lens
     assert max_abs_diff(got["logps"], ref_logps) < 2e-5
     assert max_abs_diff(got["ents"], ref_ents) < 2e-5
     metrics = got["metrics"]
     assert metrics["loss"] == pytest.approx(ref_loss, abs=1e-5)
-    assert metrics["tokens"] == sum(run["batch"].response_lens)  # summed over micro-batches and DP
-    assert metrics["logp_min"] == pytest.approx(min(float(t.min()) for t in ref_logps), abs=2e-5)
-    assert metrics["logp_max"] == pytest.approx(max(float(t.max()) for t in ref_logps), abs=2e-5)
+    assert metrics["tokens"] == sum(batch.response_lens)  # summed over micro-batches and DP
+    valid = [t for t in ref_logps if t.numel()]
+    assert metrics["logp_min"] == pytest.approx(min(float(t.min()) for t in valid), abs=2e-5)
+    assert metrics["logp_max"] == pytest.approx(max(float(t.max()) for t in valid), abs=2e-5)
     ref_norm = float(torch.sqrt(sum((g ** 2).sum() for g in ref_grads.values())))
     assert metrics["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
     if got["grads"] is not None:  # not exported with the distributed optimizer
@@ -90,7 +99,7 @@ def test_layout_matches_transformers(case, run):
             assert err <= 1e-5 * float(ref.abs().max()), (name, err)
 
 
-@pytest.mark.parametrize("case", [c for c in LAYOUTS if "tied" not in c])
+@pytest.mark.parametrize("case", [c for c in LAYOUTS if c not in ARCH])
 def test_layout_matches_single_rank(case, run):
     base, got = run["load"]("tp1"), run["load"](case)
     assert max_abs_diff(got["logps"], base["logps"]) < 5e-6

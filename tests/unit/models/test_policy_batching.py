@@ -28,9 +28,9 @@ def test_dp_shards_cover_everything_and_balance_tokens(seed, dp):
     assert all(shards)
 
 
-def test_dp_needs_one_sequence_per_rank():
-    with pytest.raises(ValueError, match="3 sequences cannot be split over 4"):
-        shard_for_dp([5, 6, 7], 4)
+def test_fewer_sequences_than_ranks_leaves_ranks_empty():
+    shards = shard_for_dp([5, 6, 7], 4)
+    assert sorted(len(s) for s in shards) == [0, 1, 1, 1]
 
 
 @pytest.mark.parametrize("seed", range(5))
