@@ -37,7 +37,8 @@ import time
 
 import torch
 
-SIZES = {  # name: (N tokens, H hidden, V vocabulary)
+SIZES = {  # name: (N tokens, H hidden, V vocabulary); "tiny" is a smoke test
+    "tiny": (256, 64, 2048),
     "small": (1024, 512, 32768),
     "big": (4096, 1024, 151936),
 }
@@ -135,16 +136,17 @@ def sync(device):
 
 
 def run_once(fn, inp, backend, device, grad):
+    """(wall seconds, process CPU seconds) of one call."""
     inp[0].grad = inp[1].grad = None
     sync(device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if grad:
         fn(inp, backend, grad=True)
     else:
         with torch.no_grad():
             fn(inp, backend, grad=False)
     sync(device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _status_kib(field):
@@ -180,6 +182,8 @@ def peak_memory(variant, size, args):
         return peak_memory_here(variant, size, args.dtype, args.device, args.backend)
     cmd = [sys.executable, __file__, "--_mem-child", variant, "--sizes", size, "--dtype", args.dtype,
            "--backend", args.backend, "--device", args.device]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
         raise RuntimeError(f"memory child {variant}/{size} failed:\n{out.stderr[-2000:]}")
@@ -206,8 +210,9 @@ def bench_size(size, args):
     missing = {n: why for n in names if (why := available(n, args.device))}
     names = [n for n in names if n not in missing]
     inp = make_inputs(size, DTYPES[args.dtype], args.device)
-    fb = {n: float("inf") for n in names}
-    fwd = {n: float("inf") for n in names}
+    # best (wall, cpu) per variant, forward+backward and forward only
+    fb = {n: (float("inf"), float("inf")) for n in names}
+    fwd = {n: (float("inf"), float("inf")) for n in names}
     for n in list(names):  # warm-up (compiles Triton kernels, autotunes peers)
         try:
             run_once(VARIANTS[n], inp, args.backend, args.device, grad=True)
@@ -218,25 +223,37 @@ def bench_size(size, args):
             names.remove(n)
     for _ in range(args.repeats):
         for n in names:
-            fb[n] = min(fb[n], run_once(VARIANTS[n], inp, args.backend, args.device, grad=True))
-            fwd[n] = min(fwd[n], run_once(VARIANTS[n], inp, args.backend, args.device, grad=False))
+            for table, grad in ((fb, True), (fwd, False)):
+                wall, cpu = run_once(VARIANTS[n], inp, args.backend, args.device, grad=grad)
+                table[n] = (min(table[n][0], wall), min(table[n][1], cpu))
     del inp
     mem = {n: peak_memory(n, size, args) for n in names if n != "floor"}
     n_tok, hid, voc = SIZES[size]
     print(f"\n## {size}: N={n_tok} H={hid} V={voc} dtype={args.dtype} device={args.device} "
           f"backend={args.backend} T={TEMPERATURE} repeats={args.repeats} "
-          f"threads={torch.get_num_threads()}")
-    print(f"{'variant':8} {'fwd+bwd s':>10} {'x floor':>8} {'fwd s':>8} {'x floor':>8} "
-          f"{'peak MiB':>10} {'naive/this':>10}")
+          f"threads={torch.get_num_threads()} load={_loadavg()}")
+    cols = [("fwd+bwd", fb, 0), ("fwd", fwd, 0)]
+    if args.device == "cpu":  # CPU seconds: the work done, less disturbed by other processes
+        cols = [("fwd+bwd", fb, 0), ("fwd+bwd cpu", fb, 1), ("fwd", fwd, 0), ("fwd cpu", fwd, 1)]
+    print(f"{'variant':8}" + "".join(f" {c + ' s':>14} {'x floor':>7}" for c, _, _ in cols)
+          + f" {'peak MiB':>9} {'naive/this':>10}")
     for n in names:
+        row = "".join(f" {t[n][i]:14.3f} {t[n][i] / t['floor'][i]:7.2f}" for _, t, i in cols)
         m = mem.get(n)
-        ratio = f"{mem['naive'] / m:10.1f}" if m and "naive" in mem else f"{'':>10}"
-        print(f"{n:8} {fb[n]:10.3f} {fb[n] / fb['floor']:8.2f} {fwd[n]:8.3f} "
-              f"{fwd[n] / fwd['floor']:8.2f} {(m / 2**20 if m is not None else float('nan')):10.1f} "
-              f"{ratio}")
+        peak = f"{m / 2**20:9.1f}" if m is not None else f"{'-':>9}"
+        ratio = f"{mem['naive'] / m:10.1f}" if m and "naive" in mem else f"{'-':>10}"
+        print(f"{n:8}{row} {peak} {ratio}")
     for n, why in missing.items():
         print(f"{n:8} not run: {why}")
     sys.stdout.flush()
+
+
+def _loadavg():
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().split()[0]
+    except OSError:
+        return "?"
 
 
 def main():
@@ -247,8 +264,11 @@ def main():
     ap.add_argument("--backend", default="auto", help="auto | torch | triton")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--peers", action="store_true", help="also Liger-Kernel and verl (CUDA)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     ap.add_argument("--_mem-child", dest="mem_child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.mem_child:
         peak = peak_memory_here(args.mem_child, args.sizes, args.dtype, args.device, args.backend)
         print(json.dumps({"peak_bytes": peak}))

@@ -25,6 +25,10 @@ from .stats import SoftmaxStats, merge_into
 DEFAULT_CHUNKS = {"cpu": (2048, 4096), "cuda": (8192, 16384)}
 
 
+# torch.mm(..., out_dtype=torch.float32): bf16 operands, fp32 result (CUDA, torch >= 2.8)
+_MM_OUT_DTYPE = "out_dtype" in (torch.mm.__doc__ or "") or hasattr(torch.ops.aten.mm, "dtype")
+
+
 def default_chunks(device: torch.device) -> tuple[int, int]:
     return DEFAULT_CHUNKS.get(device.type, DEFAULT_CHUNKS["cpu"])
 
@@ -121,7 +125,7 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bo
         else:
             torch.mm(a, b, out=out)
         return
-    if a.dtype == b.dtype and a.is_cuda:
+    if a.dtype == b.dtype and a.is_cuda and _MM_OUT_DTYPE:
         prod = torch.mm(a, b, out_dtype=torch.float32)
     else:
         prod = torch.mm(_f32(a), _f32(b))

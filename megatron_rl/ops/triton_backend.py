@@ -126,7 +126,9 @@ def _dlogits_kernel(h_ptr, w_ptr, lab_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, dz_ptr,
 def _dot_mode(dtype: torch.dtype) -> tuple[bool, str]:
     if _INTERPRET:
         return True, "ieee"
-    return False, ("tf32x3" if dtype == torch.float32 else "ieee")
+    # fp32 operands: three TF32 passes (fp32-level accuracy on tensor cores); the precision
+    # setting is ignored for bf16 / fp16 operands, which always accumulate in fp32
+    return False, ("tf32x3" if dtype == torch.float32 else "tf32")
 
 
 def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, local_labels: torch.Tensor, *,
