@@ -70,14 +70,15 @@ def train_stage(ctx, stage) -> None:
         state.grpo_seconds += metrics["timing/step"]
         if cfg.eval.every and state.step % cfg.eval.every == 0 and state.step < stage.max_steps:
             metrics.update(evaluate(ctx, stage.max_response_len))
-            if plateaued(ctx, state, stage, metrics.get("eval/accuracy")):
-                log.info("stage %s: validation accuracy plateaued at step %d", stage.name, state.step)
-                break
         if ctx.is_driver:
             ctx.tracker.log(metrics, step=state.global_step, stage=stage.name)
             log_console(stage, state, metrics)
+        stop = plateaued(state, stage, ctx.broadcast(metrics.get("eval/accuracy")))
         if cfg.trainer.save_every and state.step % cfg.trainer.save_every == 0:
             save_checkpoint(ctx, stage, state, loader)
+        if stop:
+            log.info("stage %s: validation accuracy plateaued at step %d", stage.name, state.step)
+            break
     if ctx.stop_agreed() and state.step < stage.max_steps:
         save_checkpoint(ctx, stage, state, loader)
         return
@@ -122,7 +123,8 @@ def update_policy(ctx, batch, stage) -> dict:
     return {k: v if k.endswith(("_min", "_max")) else v / n for k, v in totals.items()}
 
 
-def plateaued(ctx, state, stage, accuracy) -> bool:
+def plateaued(state, stage, accuracy) -> bool:
+    """The plateau rule: no improvement above ``min_delta`` for ``patience`` evaluations."""
     p = stage.plateau
     if accuracy is None:
         return False
