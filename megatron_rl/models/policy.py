@@ -159,6 +159,8 @@ class MegatronPolicy:
         with megatron_cpu_scope():  # construction allocates on "cuda" (no-op with CUDA)
             chunks = hf_bridge.build_model_chunks(arch, groups, dtype)
             hf_bridge.load_hf_weights(arch, chunks, hf_dir, groups)
+            if groups.device.type == "cuda":  # built and loaded on the CPU (deterministic init)
+                chunks = [chunk.cuda(groups.device) for chunk in chunks]
             model, optimizer, scheduler = _wrap_for_training(chunks, cfg, dtype)
         return cls(arch, cfg, groups, model, optimizer, scheduler)
 
