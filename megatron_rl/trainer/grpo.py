@@ -6,6 +6,7 @@ import logging
 import time
 from contextlib import contextmanager
 
+from megatron_rl.tracking.console import StageProgress
 from megatron_rl.trainer import phases
 from megatron_rl.trainer.checkpointing import begin_stage, finish_stage, save_checkpoint
 from megatron_rl.trainer.evaluate import evaluate, sync_weights
@@ -37,6 +38,16 @@ class StepTimer:
 def train_stage(ctx, stage) -> None:
     cfg = ctx.cfg
     state, loader = begin_stage(ctx, stage)
+    with StageProgress(stage.name, stage.max_steps, state.step, enabled=ctx.is_driver and cfg.tracking.console) as bar:
+        run_steps(ctx, stage, state, loader, bar)
+    if ctx.stop_agreed() and state.step < stage.max_steps:
+        save_checkpoint(ctx, stage, state, loader)
+        return
+    finish_stage(ctx, stage, state, loader)
+
+
+def run_steps(ctx, stage, state, loader, bar) -> None:
+    cfg = ctx.cfg
     while state.step < stage.max_steps and not ctx.stop_agreed():
         timer = StepTimer()
         metrics: dict = {}
@@ -72,17 +83,13 @@ def train_stage(ctx, stage) -> None:
             metrics.update(evaluate(ctx, stage.max_response_len))
         if ctx.is_driver:
             ctx.tracker.log(metrics, step=state.global_step, stage=stage.name)
-            log_console(stage, state, metrics)
+            bar.advance(state.step, metrics)
         stop = plateaued(state, stage, ctx.broadcast(metrics.get("eval/accuracy")))
         if cfg.trainer.save_every and state.step % cfg.trainer.save_every == 0:
             save_checkpoint(ctx, stage, state, loader)
         if stop:
             log.info("stage %s: validation accuracy plateaued at step %d", stage.name, state.step)
             break
-    if ctx.stop_agreed() and state.step < stage.max_steps:
-        save_checkpoint(ctx, stage, state, loader)
-        return
-    finish_stage(ctx, stage, state, loader)
 
 
 def add_old_logprobs(ctx, batch) -> dict:
@@ -134,12 +141,3 @@ def plateaued(state, stage, accuracy) -> bool:
         return False
     state.evals_without_improvement += 1
     return bool(p.patience) and state.evals_without_improvement >= p.patience
-
-
-def log_console(stage, state, m: dict) -> None:
-    keys = [("acc", "rollout/accuracy"), ("acc_nt", "rollout/accuracy_non_truncated"),
-            ("trunc", "rollout/truncation_ratio"), ("len", "rollout/response_length_mean"),
-            ("H", "actor/entropy"), ("gnorm", "grad_norm"), ("eval", "eval/accuracy"),
-            ("s", "timing/step")]
-    parts = [f"{short}={m[k]:.3g}" for short, k in keys if m.get(k) is not None]
-    log.info("[%s %d/%d] %s", stage.name, state.step, stage.max_steps, " ".join(parts))
