@@ -313,7 +313,7 @@ class MegatronPolicy:
 
         stored = self._run(micro, loss_step, forward_only=False)
         self.scheduler.step(increment=1)  # this step's learning rate (warm-up starts above 0)
-        lr = float(self.optimizer.param_groups[0]["lr"])
+        lr = self.lr
         with megatron_cpu_scope():
             ok, grad_norm, _ = self.optimizer.step()
         self.steps += 1
@@ -329,6 +329,23 @@ class MegatronPolicy:
         if not ok:
             metrics["skipped_step"] = 1.0
         return metrics
+
+    def set_lr(self, lr: float) -> None:
+        """Make ``lr`` the peak learning rate from now on (warm-up/decay shape and the step count
+        stay; ``min_lr`` is capped at ``lr``). Survives nothing: a later :meth:`load_checkpoint`
+        restores the checkpoint's schedule."""
+        s = self.scheduler
+        s.max_lr = float(lr)
+        s.min_lr = min(s.min_lr, float(lr))
+        for group in self.optimizer.param_groups:
+            group["max_lr"] = float(lr)
+            group["min_lr"] = min(group.get("min_lr", s.min_lr), float(lr))
+        s.step(increment=0)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the last (or, before any, the first) optimizer step used."""
+        return float(self.optimizer.param_groups[0]["lr"])
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         """``(HF name, full tensor)`` on global rank 0, ``(HF name, None)`` elsewhere (collective:

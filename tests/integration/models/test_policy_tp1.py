@@ -37,12 +37,12 @@ def hf_dirs(tmp_path_factory):
     }
 
 
-def _policy(hf_dir, groups, micro_batch_tokens=40, lr=1e-2, clip_grad=0.0):
+def _policy(hf_dir, groups, micro_batch_tokens=40, lr=1e-2, clip_grad=0.0, **optim):
     from megatron_rl.models import OptimConfig, PolicyConfig
     from megatron_rl.models.policy import MegatronPolicy
 
     cfg = PolicyConfig(micro_batch_tokens=micro_batch_tokens,
-                       optim=OptimConfig(lr=lr, clip_grad=clip_grad))
+                       optim=OptimConfig(lr=lr, clip_grad=clip_grad, **optim))
     return MegatronPolicy.from_hf(str(hf_dir), cfg, groups)
 
 
@@ -106,3 +106,18 @@ def test_export_round_trip_is_bit_exact(hf_dirs, groups):
         assert set(exported) == set(original), arch
         for name, tensor in original.items():
             assert torch.equal(exported[name], tensor), (arch, name)
+
+
+def test_lr_schedule_and_set_lr(hf_dirs, groups):
+    policy = _policy(hf_dirs["llama"], groups, lr=1e-3, min_lr=1e-4, lr_warmup_steps=2,
+                     lr_decay_style="linear", lr_decay_steps=4)
+    batch = make_batch(LENGTHS[:2], PROMPTS[:2])
+    loss_fn = make_loss_fn(batch)
+    lrs = [policy.train_step(batch, loss_fn, 1.0, with_entropy=True)["lr"] for _ in range(5)]
+    # warm-up 1/2, 2/2 of the peak, then linear decay to min_lr over steps 2..4, then flat
+    assert lrs == pytest.approx([5e-4, 1e-3, 5.5e-4, 1e-4, 1e-4])
+    policy.set_lr(2e-3)
+    assert policy.train_step(batch, loss_fn, 1.0, with_entropy=True)["lr"] == pytest.approx(1e-4)
+    fresh = _policy(hf_dirs["llama"], groups, lr=1e-3)
+    fresh.set_lr(3e-3)
+    assert fresh.train_step(batch, loss_fn, 1.0, with_entropy=True)["lr"] == pytest.approx(3e-3)
