@@ -213,7 +213,7 @@ def bench_size(size, args):
     # best (wall, cpu) per variant, forward+backward and forward only
     fb = {n: (float("inf"), float("inf")) for n in names}
     fwd = {n: (float("inf"), float("inf")) for n in names}
-    for n in list(names):  # warm-up (compiles Triton kernels, autotunes peers)
+    for n in list(names if args.device == "cuda" else []):  # compile Triton kernels, autotune
         try:
             run_once(VARIANTS[n], inp, args.backend, args.device, grad=True)
         except Exception as exc:  # noqa: BLE001 - a broken variant must not hide the others
