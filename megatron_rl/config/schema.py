@@ -115,8 +115,9 @@ def validate_cross(cfg: RunConfig) -> None:
     names = [s.name for s in cfg.stages]
     if len(set(names)) != len(names):
         raise ConfigError("stages", f"stage names must be unique, got {names}")
-    if cfg.sync.transport == "inprocess" and cfg.rollout.engine != "vllm":
-        raise ConfigError("sync.transport", "'inprocess' needs rollout.engine='vllm' (an engine in this process)")
+    if cfg.sync.transport in ("gloo", "nccl") and cfg.rollout.engine != "vllm_remote":
+        raise ConfigError("sync.transport", f"'{cfg.sync.transport}' joins engines in their own processes: "
+                                            "it needs rollout.engine='vllm_remote'")
     n_mb = cfg.algo.mini_batches
     if cfg.rollout.rollout_batch_size % n_mb:
         raise ConfigError("algo.mini_batches", f"must divide rollout.rollout_batch_size="

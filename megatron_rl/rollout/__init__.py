@@ -2,6 +2,20 @@
 
 from megatron_rl.rollout.base import Completion, RolloutEngine, SamplingSpec
 from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.pool import EnginePool
+
+
+def make_engines(model_path: str, cfg: RolloutConfig, *, seed: int = 0, **kwargs) -> list[RolloutEngine]:
+    """``cfg.num_engines`` engines (remote ones boot concurrently), named engine0, engine1, ..."""
+    if cfg.num_engines == 1:
+        return [make_engine(model_path, cfg, seed=seed, **kwargs)]
+    from megatron_rl.rollout.remote import RemoteEngine
+
+    engines = [RemoteEngine(model_path, cfg, seed=seed + i, name=f"engine{i}", wait=False, **kwargs)
+               for i in range(cfg.num_engines)]
+    for e in engines:
+        e.wait_ready()
+    return engines
 
 
 def make_engine(model_path: str, cfg: RolloutConfig, *, seed: int = 0, **kwargs) -> RolloutEngine:
@@ -17,4 +31,5 @@ def make_engine(model_path: str, cfg: RolloutConfig, *, seed: int = 0, **kwargs)
     raise ValueError(f"rollout.engine: unknown engine {cfg.engine!r}")
 
 
-__all__ = ["Completion", "RolloutEngine", "SamplingSpec", "RolloutConfig", "make_engine"]
+__all__ = ["Completion", "EnginePool", "RolloutEngine", "SamplingSpec", "RolloutConfig", "make_engine",
+           "make_engines"]

@@ -22,8 +22,14 @@ class SamplingSpec:
     top_p: float = 1.0
     top_k: int = -1  # -1: off
     max_tokens: int = 64
+    # Base seed: prompt i of the list is sampled with seed + i (None: engine RNG). Each prompt gets
+    # its own stream, so prompts are not sampled with the same random draws, and a split of the list
+    # across engines (shifting ``seed`` by each share's start) samples exactly what one engine would.
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+
+    def prompt_seed(self, i: int) -> int | None:
+        return None if self.seed is None else (self.seed + i) % (2**31 - 1)
 
 
 @dataclass(kw_only=True)

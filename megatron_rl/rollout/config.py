@@ -11,6 +11,9 @@ from megatron_rl.config.base import ConfigBase
 class RolloutConfig(ConfigBase):
     # Which engine: "vllm" (in-process, the CPU demo) or "vllm_remote" (own process; see sync/).
     engine: str = "vllm"
+    # Data-parallel engine replicas; each step's prompts are split among them. More than one needs
+    # engine "vllm_remote" (each engine in its own process).
+    num_engines: int = 1
     # Prompts per step (the seed's rollout batch size).
     rollout_batch_size: int = 64
     # Responses sampled per prompt (the GRPO group size).
@@ -46,7 +49,9 @@ class RolloutConfig(ConfigBase):
         super().validate()
         if self.engine not in ("vllm", "vllm_remote"):
             self.fail("engine", f"must be 'vllm' or 'vllm_remote', got {self.engine!r}")
-        for name in ("rollout_batch_size", "group_size", "max_response_len", "max_prompt_len",
+        if self.num_engines > 1 and self.engine != "vllm_remote":
+            self.fail("num_engines", f"{self.num_engines} engines need engine='vllm_remote' (one process each)")
+        for name in ("num_engines", "rollout_batch_size", "group_size", "max_response_len", "max_prompt_len",
                      "tensor_parallel_size", "max_num_seqs"):
             self.check_range(name, lo=1)
         self.check_range("temperature", lo=0.0, lo_open=True)

@@ -65,17 +65,20 @@ class VLLMEngine(RolloutEngine):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(
-            n=sampling.n,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k > 0 else 0,
-            max_tokens=sampling.max_tokens,
-            seed=sampling.seed,
-            logprobs=0,
-            stop_token_ids=list(sampling.stop_token_ids) or None,
-        )
+        def params(i: int) -> SamplingParams:
+            return SamplingParams(
+                n=sampling.n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else 0,
+                max_tokens=sampling.max_tokens,
+                seed=sampling.prompt_seed(i),
+                logprobs=0,
+                stop_token_ids=list(sampling.stop_token_ids) or None,
+            )
+
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        params = [params(i) for i in range(len(prompts))]
         outputs = self._call(lambda: self.llm.generate(prompts, params, use_tqdm=False))
         result = []
         for out in outputs:

@@ -29,7 +29,8 @@ class Context:
     policy: object
     tokenizer: object
     model_path: str
-    engine: object = None
+    engine: object = None  # the one engine, or an EnginePool over ``engines``
+    engines: list = field(default_factory=list)
     weight_sync: object = None
     reward_mgr: object = None
     tracker: object = None
@@ -96,7 +97,7 @@ def build_context(cfg) -> Context:
     from megatron_rl.data import DataConfig, load_prompts
     from megatron_rl.models import MegatronPolicy, init_distributed
     from megatron_rl.rewards import RewardManager
-    from megatron_rl.rollout import make_engine
+    from megatron_rl.rollout import EnginePool, make_engines
     from megatron_rl.sync.base import build_weight_sync
     from megatron_rl.tracking import Tracker
 
@@ -113,7 +114,8 @@ def build_context(cfg) -> Context:
                   entropy_ctl=EntropyController(cfg.algo.entropy))
     max_len = cfg.rollout.max_prompt_len + max(s.max_response_len for s in cfg.stages)
     if ctx.is_driver:
-        ctx.engine = make_engine(model_path, cfg.rollout, seed=cfg.trainer.seed, max_model_len=max_len)
+        ctx.engines = make_engines(model_path, cfg.rollout, seed=cfg.trainer.seed, max_model_len=max_len)
+        ctx.engine = ctx.engines[0] if len(ctx.engines) == 1 else EnginePool(ctx.engines, cfg.rollout.timeout_s)
         ctx.reward_mgr = RewardManager(cfg.reward)
         max_len = cfg.rollout.max_prompt_len
         ctx.train_records, stats = load_prompts(cfg.data.train_path, tokenizer, cfg.data, max_prompt_len=max_len)
@@ -128,7 +130,7 @@ def build_context(cfg) -> Context:
         ctx.tracker = Tracker(cfg.tracking, run.root, cfg.to_dict(), wandb_run_id=run_state.get("wandb_run_id"))
         if ctx.tracker.wandb_run_id and run_state.get("wandb_run_id") != ctx.tracker.wandb_run_id:
             run.write_run_state({**run_state, "wandb_run_id": ctx.tracker.wandb_run_id})
-    ctx.weight_sync = build_weight_sync(cfg.sync, [ctx.engine] if ctx.engine else [], sender=ctx.is_driver)
+    ctx.weight_sync = build_weight_sync(cfg.sync, ctx.engines, sender=ctx.is_driver)
     ctx.weight_sync.connect()
     ctx.install_signal_handlers()
     return ctx
