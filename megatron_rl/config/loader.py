@@ -94,7 +94,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             cfg.validate()
         except ConfigError as exc:
-            if path and exc.source is None:
-                raise ConfigError(exc.key, exc.message, str(path)) from None
+            if exc.source is None or _from_override(exc.key, overrides or []):
+                where = "the command line" if _from_override(exc.key, overrides or []) else (str(path) if path else None)
+                raise ConfigError(exc.key, exc.message, where) from None
             raise
     return cfg
+
+
+def _from_override(key: str, overrides: list[str]) -> bool:
+    """Whether dotted ``key`` (``stages[0].x`` style) was set by one of the ``a.b=v`` overrides."""
+    norm = key.replace("[", ".").replace("]", "")
+    return any(norm == o.split("=", 1)[0].strip() or norm.startswith(o.split("=", 1)[0].strip() + ".")
+               for o in overrides)
