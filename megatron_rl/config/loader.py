@@ -17,6 +17,23 @@ import yaml
 from megatron_rl.config.base import ConfigError
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key repeated in one mapping (YAML would silently keep the last)."""
+
+
+def _no_duplicates(loader, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
+
+
 def _deep_merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
@@ -34,7 +51,7 @@ def load_yaml_tree(path: str | Path, _seen: tuple = ()) -> dict:
     if not path.exists():
         raise ConfigError("defaults" if _seen else "config", f"file not found: {path}", str(_seen[-1]) if _seen else None)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_StrictLoader) or {}
     except yaml.YAMLError as exc:
         raise ConfigError("<file>", f"invalid YAML: {exc}", str(path)) from None
     if not isinstance(data, dict):

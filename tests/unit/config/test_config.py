@@ -79,3 +79,10 @@ def test_docs_config_reference_is_current():
         reference.main()
     assert (REPO / "docs" / "config.md").read_text() == buf.getvalue(), \
         "docs/config.md is stale: run `python -m megatron_rl.config.reference > docs/config.md`"
+
+
+def test_duplicate_yaml_key_is_an_error(tmp_path):
+    p = _write(tmp_path, MIN + "policy: {seed: 1}\npolicy: {seed: 2}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert "duplicate key 'policy'" in str(e.value) and str(p) in str(e.value)
