@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.remote import RemoteEngine
-from megatron_rl.sync.buckets import checksum, unpack
+from megatron_rl.sync.buckets import checksums, unpack
 from megatron_rl.sync.collective import send_all
 from megatron_rl.sync.config import SyncConfig
 from megatron_rl.sync.cuda_ipc import CudaIpcWeightSync, SharedBuffer, open_shared
@@ -96,9 +96,9 @@ def receiver(rank: int, args, port: int, shapes):
                 broadcast(group, torch.empty(s.shape, dtype=s.dtype, device=device)).wait()
         else:
             for meta, data in recv_buckets(group, device, 300.0):
-                for _, tensor in unpack(meta, data):
-                    if verify:
-                        checksum(tensor)
+                tensors = unpack(meta, data)  # what the engine side does per bucket
+                if verify:
+                    checksums(tensors)
         group.barrier().wait()
 
 

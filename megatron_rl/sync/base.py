@@ -12,6 +12,10 @@ from megatron_rl.sync.config import SyncConfig
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
+# The weight version of an engine whose last sync failed part-way: its weights are a mix of old
+# and new (or corrupted) tensors until the next successful sync. Rollouts tagged with it are void.
+UNKNOWN_VERSION = -1
+
 
 class SyncError(RuntimeError):
     """A sync failed: an engine died, hung past the timeout, or loaded different bytes."""
@@ -66,6 +70,18 @@ def drain(named_tensors: NamedTensors, version: int) -> SyncMetrics:
     return SyncMetrics(version=version)
 
 
+def invalidate(engines, timeout_s: float) -> None:
+    """Tag every live engine :data:`UNKNOWN_VERSION` after a failed sync (best effort: an engine
+    that cannot be reached is dead and will be restarted anyway)."""
+    for engine in engines:
+        if not getattr(engine, "alive", True):
+            continue
+        try:
+            engine.set_weight_version(UNKNOWN_VERSION, timeout_s=timeout_s)
+        except Exception:  # noqa: BLE001 - the sync's own error is the one to report
+            pass
+
+
 def commit(replies: list, expected: dict[str, int], version: int, verify: bool,
            timeout_s: float) -> None:
     """After a transfer: check every engine worker's checksums, then reset prefix caches and tag
@@ -74,9 +90,14 @@ def commit(replies: list, expected: dict[str, int], version: int, verify: bool,
     ``replies`` pairs each engine with its per-worker results (``{"checksums": ...}`` each).
     """
     if verify:
-        for engine, per_worker in replies:
-            for rank, reply in enumerate(per_worker):
-                compare_checksums(f"{engine.name} (worker {rank})", expected, reply["checksums"])
+        try:
+            for engine, per_worker in replies:
+                for rank, reply in enumerate(per_worker):
+                    compare_checksums(f"{engine.name} (worker {rank})", expected,
+                                      reply["checksums"])
+        except SyncMismatch:
+            invalidate([engine for engine, _ in replies], timeout_s)
+            raise
     for engine, _ in replies:
         engine.reset_prefix_cache()
         engine.set_weight_version(version, timeout_s=timeout_s)

@@ -135,25 +135,58 @@ def unpack(meta: BucketMeta, data: torch.Tensor) -> list[tuple[str, torch.Tensor
     return out
 
 
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _weights(n: int, device: torch.device) -> torch.Tensor:
+    """``1..n`` as int64 on ``device`` (cached; grown as needed)."""
+    w = _WEIGHTS.get(device)
+    if w is None or w.numel() < n:
+        w = torch.arange(1, max(n, _ROW) + 1, dtype=torch.int64, device=device)
+        _WEIGHTS[device] = w
+    return w[:n]
+
+
+def _hash(tensor: torch.Tensor) -> torch.Tensor:
+    """The checksum of :func:`checksum` as a 0-d int64 tensor on the tensor's device (no sync)."""
+    raw = as_bytes(tensor)
+    dev = raw.device
+    n_words = raw.numel() // 8
+    words = raw[:n_words * 8].view(torch.int64)
+    tail = raw[n_words * 8:].to(torch.int64)
+    rows = n_words // _ROW
+    if rows == 0:  # small tensor: one weighted pass
+        total = words.sum() + tail.sum()
+        weighted = (words * _weights(n_words, dev)).sum()
+    else:
+        body, rest = words[:rows * _ROW].view(rows, _ROW), words[rows * _ROW:]
+        row_sums = body.sum(dim=1)
+        total = row_sums.sum() + rest.sum() + tail.sum()
+        weighted = ((row_sums * _weights(rows, dev)).sum()
+                    + (body.sum(dim=0) * _weights(_ROW, dev)).sum() * 0x9E3779B1
+                    + (rest * _weights(rest.numel(), dev)).sum() * 0x7FEB352D)
+    weighted = weighted + (tail * _weights(tail.numel(), dev)).sum() * 0x846CA68B
+    return total * 1_000_003 + weighted * 0x100000001B3 + raw.numel()
+
+
 def checksum(tensor: torch.Tensor) -> int:
     """Order-sensitive 64-bit hash of the tensor's bytes (same value on any device).
 
-    The bytes are read as int64 words laid out in rows of 1024; the hash mixes the plain sum with
-    row sums weighted by row index and column sums weighted by column index, so a changed, moved or
-    swapped word changes it. Integer sums wrap modulo 2**64 in any order, hence device-independent.
+    The bytes are read as int64 words; a small tensor mixes the plain sum with the position-
+    weighted sum, a larger one lays the words out in rows of 1024 and mixes row sums weighted by
+    row index with column sums weighted by column index, so a changed, moved or swapped word
+    changes it. Integer sums wrap modulo 2**64 in any order, hence device-independent.
     """
-    raw = as_bytes(tensor)
-    n_words = raw.numel() // 8
-    tail = raw[n_words * 8:]
-    words = raw[:n_words * 8].view(torch.int64)
-    rows = n_words // _ROW
-    body, rest = words[:rows * _ROW].view(rows, _ROW), words[rows * _ROW:]
-    dev = raw.device
-    row_sums = body.sum(dim=1)
-    col_sums = body.sum(dim=0)
-    total = int(row_sums.sum()) + int(rest.sum()) + int(tail.to(torch.int64).sum())
-    weighted = int((row_sums * torch.arange(1, rows + 1, device=dev)).sum())
-    weighted += int((col_sums * torch.arange(1, _ROW + 1, device=dev)).sum()) * 0x9E3779B1
-    weighted += int((rest * torch.arange(rows * _ROW + 1, n_words + 1, device=dev)).sum())
-    weighted += int((tail.to(torch.int64) * torch.arange(1, tail.numel() + 1, device=dev)).sum())
-    return (total * 1_000_003 + weighted * 0x100000001B3 + raw.numel()) & _MASK64
+    return int(_hash(tensor)) & _MASK64
+
+
+def checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
+    """:func:`checksum` of many tensors with one device sync (what the transports hash)."""
+    names, hashes = [], []
+    for name, tensor in named:
+        names.append(name)
+        hashes.append(_hash(tensor))
+    if not hashes:
+        return {}
+    values = torch.stack(hashes).tolist()
+    return {n: v & _MASK64 for n, v in zip(names, values)}

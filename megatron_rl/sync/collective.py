@@ -17,8 +17,8 @@ import torch
 from megatron_rl.rollout.remote import EngineDied
 from megatron_rl.sync import engine_side
 from megatron_rl.sync.base import (NamedTensors, SyncError, SyncMetrics, SyncTimeout, WeightSync,
-                                   commit, drain)
-from megatron_rl.sync.buckets import checksum, group_by_dtype, pack, unpack
+                                   commit, drain, invalidate)
+from megatron_rl.sync.buckets import checksums, group_by_dtype, pack, unpack
 from megatron_rl.sync.config import SyncConfig
 from megatron_rl.sync.group import host_store, make_group, send_bucket, wait_works
 
@@ -41,7 +41,7 @@ def send_all(group, named_tensors: NamedTensors, buffers: list[torch.Tensor], de
         meta, data = pack(items, k, buffers[slot])
         in_flight[slot] = send_bucket(group, meta, data, device)
         if verify:  # hashed while the broadcast is in flight
-            expected.update((n, checksum(t)) for n, t in unpack(meta, data))
+            expected.update(checksums(unpack(meta, data)))
         if metrics is not None:
             metrics.buckets += 1
             metrics.tensors += len(meta.tensors)
@@ -153,11 +153,13 @@ class CollectiveWeightSync(WeightSync):
         except TimeoutError as exc:
             faults = self._engine_faults(pending)
             self._fail()
+            invalidate(self.engines, cfg.timeout_s)
             raise SyncTimeout(f"weight sync v{version}: {exc} within sync.timeout_s="
                               f"{cfg.timeout_s}s; {faults}") from exc
         except Exception as exc:
             faults = self._engine_faults(pending)
             self._fail()
+            invalidate(self.engines, cfg.timeout_s)
             if isinstance(exc, SyncError):
                 raise
             raise SyncError(f"weight sync v{version} failed: {faults}; transport said: {exc}") from exc

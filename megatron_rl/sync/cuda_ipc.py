@@ -25,8 +25,8 @@ import torch
 
 from megatron_rl.sync import engine_side
 from megatron_rl.sync.base import (NamedTensors, SyncError, SyncMetrics, SyncTimeout, WeightSync,
-                                   commit, drain)
-from megatron_rl.sync.buckets import BucketMeta, checksum, group_by_dtype, pack, unpack
+                                   commit, drain, invalidate)
+from megatron_rl.sync.buckets import BucketMeta, checksums, group_by_dtype, pack, unpack
 from megatron_rl.sync.config import SyncConfig
 from megatron_rl.sync.inprocess import InProcessWeightSync
 
@@ -100,7 +100,7 @@ def receive_ipc(worker, endpoint: str, verify: bool, timeout_s: float) -> dict:
             raise TimeoutError(f"no bucket from the trainer within {timeout_s}s")
         return sock.recv_multipart()
 
-    def named():
+    def buckets():
         while True:
             frames = recv()
             if frames[0] == _END:
@@ -114,10 +114,10 @@ def receive_ipc(worker, endpoint: str, verify: bool, timeout_s: float) -> dict:
             if data.is_cuda:
                 torch.cuda.current_stream().synchronize()
             sock.send(b"ok")  # the trainer may now refill this buffer
-            yield from unpack(meta, data)
+            yield meta, data
 
     try:
-        return engine_side.load_named_stream(worker, named(), verify)
+        return engine_side.load_buckets(worker, buckets(), verify)
     finally:
         for slot in list(mapped):
             _unmap(mapped, slot)
@@ -213,11 +213,15 @@ class CudaIpcWeightSync(WeightSync):
                                             drain_timeout_s=cfg.timeout_s)))
             expected = self._send(named_tensors, socks, pending, metrics)
             replies = [(e, p.result(cfg.timeout_s)) for e, p in pending]
-        except SyncError:
-            raise
-        except TimeoutError as exc:
-            raise SyncTimeout(f"weight sync v{version} (cuda_ipc): {exc}") from exc
-        except Exception as exc:
+        except BaseException as exc:
+            for _, sock in socks:
+                sock.close()
+            socks = []
+            invalidate(self.engines, cfg.timeout_s)
+            if isinstance(exc, SyncError) or not isinstance(exc, Exception):
+                raise
+            if isinstance(exc, TimeoutError):
+                raise SyncTimeout(f"weight sync v{version} (cuda_ipc): {exc}") from exc
             raise SyncError(f"weight sync v{version} (cuda_ipc) failed: {exc}") from exc
         finally:
             for _, sock in socks:
@@ -259,7 +263,7 @@ class CudaIpcWeightSync(WeightSync):
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
             if cfg.verify:
-                expected.update((n, checksum(t)) for n, t in unpack(meta, data))
+                expected.update(checksums(unpack(meta, data)))
             if awaiting:
                 wait_acks()  # the engines copied bucket k-1 out; its buffer is free next round
             handle = b"" if handed[slot] else pickle.dumps(self._buffers[slot].handle)
@@ -284,7 +288,7 @@ class CudaIpcWeightSync(WeightSync):
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
             if self.config.verify:
-                expected.update((n, checksum(t)) for n, t in unpack(meta, buf.tensor))
+                expected.update(checksums(unpack(meta, buf.tensor)))
             handle = pickle.dumps(buf.handle)
             for _, sock in socks:  # slot 2: never cached by the engine beyond this bucket
                 sock.send_multipart([b"2", handle, meta.encode()])

@@ -10,10 +10,11 @@ soon as all of its tensors are in.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import torch
 
-from megatron_rl.sync.buckets import checksum, unpack
+from megatron_rl.sync.buckets import BucketMeta, checksums, unpack
 from megatron_rl.sync.group import make_group, recv_buckets
 
 _GROUP_ATTR = "_mrl_sync_group"
@@ -46,31 +47,57 @@ def leave_group(worker) -> None:
             pass
 
 
-def load_named_stream(worker, named, verify: bool) -> dict:
-    """Load ``named`` (an iterator of ``(hf_name, tensor)``) through vLLM's weight loader.
+def load_buckets(worker, buckets: Iterator[tuple[BucketMeta, torch.Tensor]], verify: bool) -> dict:
+    """Feed every tensor of ``buckets`` to vLLM's weight loader as the buckets arrive.
 
     Returns ``{"checksums": {name: int}, "bytes": int, "tensors": int, "seconds": float}``,
     checksums computed on exactly the bytes handed to the loader (empty unless ``verify``).
+
+    vLLM's in-place reload first moves every layer to the meta device and restores it when the
+    stream ends; a stream cut by a transport error must therefore *end* (not raise through the
+    loader), or the model is left unusable. The error is re-raised once the loader has finished;
+    the weights are then a mix of old and new, which the sender records as an unknown version.
     """
     sums: dict[str, int] = {}
     stats = {"bytes": 0, "tensors": 0}
+    cut: list[BaseException] = []
 
-    def tracked():
-        for name, tensor in named:
-            if verify:
-                sums[name] = checksum(tensor)
-            stats["bytes"] += tensor.numel() * tensor.element_size()
-            stats["tensors"] += 1
-            yield name, tensor
+    def named():
+        try:
+            for meta, data in buckets:
+                tensors = unpack(meta, data)
+                if verify:
+                    sums.update(checksums(tensors))
+                stats["bytes"] += sum(t.nbytes for t in meta.tensors)
+                stats["tensors"] += len(tensors)
+                yield from tensors
+        except Exception as exc:  # noqa: BLE001 - re-raised after the loader has finalised
+            cut.append(exc)
 
     t0 = time.perf_counter()
-    stream = tracked()
+    stream = named()
     try:
         worker.reload_weights(weights_iterator=stream, is_checkpoint_format=True)
+    except BaseException:
+        _finalize_reload(worker)  # the loader itself failed: restore the layers it displaced
+        raise
     finally:
         for _ in stream:  # keep the sender unblocked if the loader stopped early
             pass
+    if cut:
+        raise cut[0]
     return {"checksums": sums, "seconds": time.perf_counter() - t0, **stats}
+
+
+def _finalize_reload(worker) -> None:
+    """Best effort: bring layers displaced by an interrupted ``reload_weights`` back to memory."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        finalize_layerwise_reload(worker.model_runner.get_model(),
+                                  worker.vllm_config.model_config)
+    except Exception:  # noqa: BLE001 - the original error is the one to report
+        pass
 
 
 def receive_weights(worker, verify: bool, timeout_s: float) -> dict:
@@ -80,12 +107,8 @@ def receive_weights(worker, verify: bool, timeout_s: float) -> dict:
         raise RuntimeError("this engine worker has not joined a sync group (join_group first)")
     device = _device(getattr(worker, _BACKEND_ATTR))
 
-    def named():
-        for meta, data in recv_buckets(group, device, timeout_s):
-            yield from unpack(meta, data)
-
     try:
-        return load_named_stream(worker, named(), verify)
+        return load_buckets(worker, recv_buckets(group, device, timeout_s), verify)
     except BaseException:
         leave_group(worker)
         raise

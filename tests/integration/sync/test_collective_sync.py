@@ -23,7 +23,8 @@ from megatron_rl.rollout.base import SamplingSpec  # noqa: E402
 from megatron_rl.rollout.config import RolloutConfig  # noqa: E402
 from megatron_rl.rollout.remote import RemoteEngine  # noqa: E402
 from megatron_rl.sync import collective  # noqa: E402
-from megatron_rl.sync.base import SyncError, SyncMismatch, build_weight_sync  # noqa: E402
+from megatron_rl.sync.base import (UNKNOWN_VERSION, SyncError, SyncMismatch,  # noqa: E402
+                                   build_weight_sync)
 from megatron_rl.sync.config import SyncConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -114,7 +115,10 @@ def test_sync_matches_hf_then_detects_corruption_then_survives_a_killed_engine(s
     with pytest.raises(SyncMismatch) as err:
         sync.sync(_named(hf), version=2)
     assert "engine0" in str(err.value) and repr(corrupted["name"]) in str(err.value)
-    assert all(e.weight_version == 1 for e in engines)  # a failed sync never bumps the version
+    # the engines loaded corrupted bytes: their version is unknown (-1) until the next good sync
+    assert all(e.weight_version == UNKNOWN_VERSION for e in engines)
+    sampled = engines[0].generate(PROMPTS[:1], SamplingSpec(temperature=1.0, max_tokens=2))
+    assert sampled[0][0].weight_version == UNKNOWN_VERSION  # and so are their rollouts
     monkeypatch.setattr(collective, "send_bucket", real_send)
 
     # 3. engine1 killed mid-sync: the sender names it within the timeout instead of hanging
@@ -128,6 +132,9 @@ def test_sync_matches_hf_then_detects_corruption_then_survives_a_killed_engine(s
     with pytest.raises(SyncError, match="engine1"):
         sync.sync(_named(hf), version=3)
     assert time.monotonic() - t0 < cfg.timeout_s + 5
+    # the survivor's in-place reload was cut: it must still serve (mixed weights, unknown version)
+    assert engines[0].weight_version == UNKNOWN_VERSION
+    assert engines[0].generate(PROMPTS[:1], SamplingSpec(temperature=0.0, max_tokens=2))[0][0].token_ids
     monkeypatch.setattr(collective, "send_bucket", real_send)
 
     # 4. restart engine1, re-form the group, sync again: both engines match HF

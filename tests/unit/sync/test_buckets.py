@@ -107,3 +107,15 @@ def test_config_rejects_bad_values_naming_the_key():
         SyncConfig.from_dict({"timeout_s": 0}, prefix="sync").validate()
     with pytest.raises(ConfigError, match=r"sync.bucket_size"):
         SyncConfig.from_dict({"bucket_size": 10}, prefix="sync")
+
+
+def test_batched_checksums_equal_single_ones_on_every_size_path():
+    from megatron_rl.sync.buckets import checksums
+
+    g = torch.Generator().manual_seed(1)
+    named = [("small", torch.randn(5, generator=g)), ("odd", torch.randint(0, 9, (13,), dtype=torch.uint8)),
+             ("rows", torch.randn(4096 + 3, generator=g)), ("empty", torch.zeros(0))]
+    assert checksums(iter(named)) == {n: checksum(t) for n, t in named}
+    big = named[2][1].clone()
+    big[1024 * 2 + 1], big[1024 * 2 + 5] = big[1024 * 2 + 5].item(), big[1024 * 2 + 1].item()  # swap in a row
+    assert checksum(big) != checksum(named[2][1])
