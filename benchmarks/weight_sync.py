@@ -296,8 +296,8 @@ def main():
     def row(label, sec):
         print(f"{label:34s} {sec:8.3f} {total / sec / 1e9:7.2f} {sec / floor:8.2f} {per_tensor / sec:13.2f}")
 
-    row("floor: one raw broadcast", floor)
-    row("per-tensor broadcast", per_tensor)
+    row("floor: one raw transfer (all bytes)", floor)
+    row("per-tensor transfer", per_tensor)
     row(f"ours, {args.bucket_mib} MiB buckets", med[("ours", args.bucket_mib * MiB, False)])
     row(f"ours, {args.bucket_mib} MiB buckets + checksums", med[("ours", args.bucket_mib * MiB, True)])
     for b in args.sweep_mib:
