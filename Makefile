@@ -13,7 +13,7 @@ setup:
 	bash scripts/bootstrap.sh
 
 demo: setup
-	$(VENV)/bin/megatron-rl demo --run-dir $(RUN_DIR) $(ARGS)
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/python -m megatron_rl.cli demo --run-dir $(RUN_DIR) $(ARGS)
 
 test: setup
 	bash scripts/test.sh $(PYTEST_ARGS)

@@ -30,6 +30,9 @@ if [ "$(cat "$venv/.megatron-rl-stamp" 2>/dev/null)" != "$stamp" ]; then
   "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   echo "$stamp" > "$venv/.megatron-rl-stamp"
 fi
-# Point the venv at this checkout (cheap; CI runs from a fresh clone elsewhere).
-"$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$here" >/dev/null
+# The package itself is NOT installed into the shared venv: `make` targets and the tests put the
+# checkout on PYTHONPATH, so several checkouts (yours, CI's fresh clone) never import each other's code.
+if "$venv/bin/pip" show -q megatron-rl >/dev/null 2>&1; then
+  "$venv/bin/pip" uninstall -q -y megatron-rl >/dev/null 2>&1 || true
+fi
 echo "[bootstrap] ready: $venv"

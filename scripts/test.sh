@@ -4,6 +4,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 venv="${MEGATRON_RL_VENV:-$HOME/.cache/megatron-rl/venv}"
 cd "$here"
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
 export WANDB_MODE=offline WANDB_SILENT=true
