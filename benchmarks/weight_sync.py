@@ -26,18 +26,21 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
-from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.remote import RemoteEngine
-from megatron_rl.sync.buckets import checksums, unpack
-from megatron_rl.sync.collective import send_all
-from megatron_rl.sync.config import SyncConfig
-from megatron_rl.sync.cuda_ipc import CudaIpcWeightSync, SharedBuffer, open_shared
-from megatron_rl.sync.group import broadcast, host_store, make_group, recv_buckets
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without an install
+from megatron_rl.rollout.config import RolloutConfig  # noqa: E402
+from megatron_rl.rollout.remote import RemoteEngine  # noqa: E402
+from megatron_rl.sync.buckets import checksums, unpack  # noqa: E402
+from megatron_rl.sync.collective import send_all  # noqa: E402
+from megatron_rl.sync.config import SyncConfig  # noqa: E402
+from megatron_rl.sync.cuda_ipc import CudaIpcWeightSync, SharedBuffer, open_shared  # noqa: E402
+from megatron_rl.sync.group import broadcast, host_store, make_group, recv_buckets  # noqa: E402
 
 MiB = 1024 * 1024
 
