@@ -17,7 +17,9 @@ the allocated bytes before the call. CPU: PyTorch has no allocator statistics on
 does not see its buffers, so every CPU measurement runs in a fresh subprocess: build the inputs,
 read ``VmRSS``, reset the kernel's resident high-water mark (write ``5`` to ``/proc/self/clear_refs``),
 run one forward+backward, read ``VmHWM``; the difference is the peak resident memory the call added.
-A fresh process keeps memory that earlier variants freed (and glibc kept) out of the number.
+A fresh process keeps memory that earlier variants freed (and glibc kept) out of the number; a call
+at the tiny size first takes one-time set-up (thread pools, lazily loaded code) out of it, and
+``MALLOC_MMAP_THRESHOLD_`` makes glibc hand freed blocks straight back.
 
 Times are the minimum over ``--repeats`` interleaved rounds (the CPU box is shared; the minimum is the
 least disturbed run). Ratios are taken within this one run.
@@ -36,6 +38,8 @@ import sys
 import time
 
 import torch
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))  # the repo root
 
 SIZES = {  # name: (N tokens, H hidden, V vocabulary); "tiny" is a smoke test
     "tiny": (256, 64, 2048),
@@ -170,6 +174,7 @@ def peak_memory_here(variant, size, dtype, device, backend):
         fn(inp, backend)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
+    fn(make_inputs("tiny", DTYPES[dtype], device), backend)  # one-time code-path setup, small
     base = _status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
@@ -184,7 +189,9 @@ def peak_memory(variant, size, args):
            "--backend", args.backend, "--device", args.device]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    # large blocks via mmap, so what the set-up call freed goes back to the system at once
+    env = dict(__import__("os").environ, MALLOC_MMAP_THRESHOLD_="131072")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"memory child {variant}/{size} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
@@ -221,13 +228,14 @@ def bench_size(size, args):
                 raise
             missing[n] = f"failed: {type(exc).__name__}: {str(exc)[:120]}"
             names.remove(n)
-    for _ in range(args.repeats):
+    for _ in range(args.repeats if args.measure in ("all", "time") else 0):
         for n in names:
             for table, grad in ((fb, True), (fwd, False)):
                 wall, cpu = run_once(VARIANTS[n], inp, args.backend, args.device, grad=grad)
                 table[n] = (min(table[n][0], wall), min(table[n][1], cpu))
     del inp
-    mem = {n: peak_memory(n, size, args) for n in names if n != "floor"}
+    mem = {n: peak_memory(n, size, args) for n in names
+           if n != "floor" and args.measure in ("all", "mem")}
     n_tok, hid, voc = SIZES[size]
     print(f"\n## {size}: N={n_tok} H={hid} V={voc} dtype={args.dtype} device={args.device} "
           f"backend={args.backend} T={TEMPERATURE} repeats={args.repeats} "
@@ -238,7 +246,8 @@ def bench_size(size, args):
     print(f"{'variant':8}" + "".join(f" {c + ' s':>14} {'x floor':>7}" for c, _, _ in cols)
           + f" {'peak MiB':>9} {'naive/this':>10}")
     for n in names:
-        row = "".join(f" {t[n][i]:14.3f} {t[n][i] / t['floor'][i]:7.2f}" for _, t, i in cols)
+        row = "".join(f" {t[n][i]:14.3f} {t[n][i] / t['floor'][i]:7.2f}" if args.repeats and
+                      args.measure != "mem" else f" {'-':>14} {'-':>7}" for _, t, i in cols)
         m = mem.get(n)
         peak = f"{m / 2**20:9.1f}" if m is not None else f"{'-':>9}"
         ratio = f"{mem['naive'] / m:10.1f}" if m and "naive" in mem else f"{'-':>10}"
@@ -265,6 +274,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--peers", action="store_true", help="also Liger-Kernel and verl (CUDA)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    ap.add_argument("--measure", choices=["all", "time", "mem"], default="all")
     ap.add_argument("--_mem-child", dest="mem_child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads:
