@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.compat import apply_cpu_shim, megatron_cpu_scope
+from megatron_rl.compat.megatron_fixes import apply_megatron_fixes
 from megatron_rl.config.base import ConfigError
 from megatron_rl.models.config import ParallelConfig
 
@@ -138,6 +139,7 @@ def init_distributed(cfg: ParallelConfig, timeout_s: float | None = None,
 
     timeout_s = cfg.timeout_s if timeout_s is None else timeout_s
     shim = apply_cpu_shim()
+    apply_megatron_fixes()
     backend = "gloo" if shim else "nccl"
     world_rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() \
         else _world_from_env()

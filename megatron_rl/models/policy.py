@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.compat import megatron_cpu_scope
+from megatron_rl.compat.megatron_fixes import init_empty_adam_state
 from megatron_rl.models import hf_bridge
 from megatron_rl.models.batch import (MicroBatch, SequenceBatch, pack_micro_batches,
                                       pad_token_fields, shard_for_dp)
@@ -332,8 +333,8 @@ class MegatronPolicy:
 
     def set_lr(self, lr: float) -> None:
         """Make ``lr`` the peak learning rate from now on (warm-up/decay shape and the step count
-        stay; ``min_lr`` is capped at ``lr``). Survives nothing: a later :meth:`load_checkpoint`
-        restores the checkpoint's schedule."""
+        stay; ``min_lr`` is capped at ``lr``). Saved with the next checkpoint; a later
+        :meth:`load_checkpoint` brings back the checkpoint's own value."""
         s = self.scheduler
         s.max_lr = float(lr)
         s.min_lr = min(s.min_lr, float(lr))
@@ -386,11 +387,14 @@ class MegatronPolicy:
             sd, is_loading=is_loading, metadata=_OPTIM_CKPT_METADATA)
         sd["scheduler"] = self.scheduler.state_dict()
         sd["steps"] = self.steps
+        sd["distributed_optimizer"] = self.cfg.parallel.use_distributed_optimizer
         return sd
 
     def save_checkpoint(self, ckpt_dir: str | Path) -> None:
         """Save model, optimizer, LR schedule and step count with Megatron's distributed
-        checkpointing (loadable at another TP x PP x DP layout), plus this rank's RNG states.
+        checkpointing (loadable at another TP x PP x DP layout with the same
+        ``use_distributed_optimizer``: the two optimizers store their state differently), plus
+        this rank's RNG states.
 
         Collective. ``ckpt_dir`` must not exist or be empty.
         """
@@ -428,6 +432,13 @@ class MegatronPolicy:
         if not (path / "metadata.json").is_file():
             raise FileNotFoundError(f"{path} is not a Megatron distributed checkpoint "
                                     f"(no metadata.json)")
+        saved = bool(dist_checkpointing.load_common_state_dict(str(path))
+                     .get("distributed_optimizer", False))
+        if saved != self.cfg.parallel.use_distributed_optimizer:
+            raise ValueError(f"{path} was written with use_distributed_optimizer={saved}, this "
+                             f"policy has {self.cfg.parallel.use_distributed_optimizer}: Megatron "
+                             f"stores the two optimizers' states differently")
+        init_empty_adam_state(self.optimizer)
         with megatron_cpu_scope():
             loaded = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(path))
             for i, chunk in enumerate(self.model):

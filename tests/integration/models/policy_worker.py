@@ -86,9 +86,34 @@ def run_checkpoints(out, hf_dir, ckpt_root):
     c = _policy(hf_dir, tp=2, pp=2)
     c.load_checkpoint(ckpt_root / "b_tp1")
     c_loaded = _export(c)
+
+    # distributed optimizer: saved at TP=2 x DP=2, loaded at the same layout and at PP=2 x DP=2;
+    # refused by a plain optimizer
+    d = _policy(hf_dir, tp=2, distopt=True)
+    d.train_step(batch, loss_fn, TEMPERATURE, with_entropy=True)
+    d_step1 = _export(d)
+    d.save_checkpoint(ckpt_root / "d_distopt")
+    d.train_step(batch, loss_fn, TEMPERATURE, with_entropy=True)
+    d_step2 = _export(d)
+    e = _policy(hf_dir, tp=2, distopt=True)
+    e.load_checkpoint(ckpt_root / "d_distopt")
+    e.train_step(batch, loss_fn, TEMPERATURE, with_entropy=True)
+    e_step2 = _export(e)
+    f = _policy(hf_dir, pp=2, distopt=True)
+    f.load_checkpoint(ckpt_root / "d_distopt")
+    f_loaded = _export(f)
+    f.train_step(batch, loss_fn, TEMPERATURE, with_entropy=True)
+    f_step2 = _export(f)
+    mismatch = None
+    try:
+        _policy(hf_dir, pp=2).load_checkpoint(ckpt_root / "d_distopt")
+    except ValueError as exc:
+        mismatch = str(exc)
     _save(out, "checkpoint", {"step1": step1, "b_loaded": b_loaded, "c_loaded": c_loaded,
                               "a_step2": a_step2, "b_step2": b_step2, "a_logps2": a_logps2,
-                              "b_logps2": b_logps2, "b_steps": b.steps, "c_steps": c.steps})
+                              "b_logps2": b_logps2, "b_steps": b.steps, "c_steps": c.steps,
+                              "d_step1": d_step1, "d_step2": d_step2, "e_step2": e_step2,
+                              "f_loaded": f_loaded, "f_step2": f_step2, "mismatch": mismatch})
 
 
 def run_bad_layouts(out, hf_dir):

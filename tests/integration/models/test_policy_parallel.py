@@ -50,7 +50,9 @@ def run(tmp_path_factory):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
            str(HERE / "policy_worker.py"), str(out), str(hf)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    repo = str(HERE.parents[2])
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     worker = _worker_module()
@@ -141,6 +143,18 @@ def test_checkpoint_moves_between_tp2pp2_and_tp1(run):
     assert _max_weight_diff(ck["a_step2"], ck["b_step2"]) < 1e-6
     assert _max_weight_diff(ck["a_step2"], ck["step1"]) > 5e-4
     assert max_abs_diff(ck["a_logps2"], ck["b_logps2"]) < 5e-6
+
+
+def test_distributed_optimizer_checkpoint_weights_and_kind(run):
+    ck = run["load"]("checkpoint")
+    # saved at TP=2 x DP=2, loaded at PP=2 x DP=2: the weights come back bit-exact
+    assert set(ck["f_loaded"]) == set(ck["d_step1"])
+    assert all(torch.equal(ck["f_loaded"][n], ck["d_step1"][n]) for n in ck["d_step1"])
+    # a plain optimizer refuses it with a clear message instead of a KeyError deep in Megatron
+    assert "written with use_distributed_optimizer=True" in ck["mismatch"]
+    # NOT asserted (known gap, see the report): the Adam moments of the norm weights do not come
+    # back right with the distributed optimizer, so the step after loading differs by ~3.5e-4
+    # (lr 1e-3) even at the same layout.
 
 
 def test_impossible_layouts_fail_before_a_model_is_built(run):

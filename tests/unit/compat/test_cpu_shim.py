@@ -8,9 +8,11 @@ references.
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +22,14 @@ from megatron_rl.compat import apply_cpu_shim, cpu_shim_active, megatron_cpu_sco
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shim is inactive with CUDA")
 
 
+REPO = Path(__file__).resolve().parents[3]
+
+
 def _run(code: str) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
