@@ -213,12 +213,12 @@ class CudaIpcWeightSync(WeightSync):
                                             drain_timeout_s=cfg.timeout_s)))
             expected = self._send(named_tensors, socks, pending, metrics)
             replies = [(e, p.result(cfg.timeout_s)) for e, p in pending]
-        except BaseException as exc:
+        except Exception as exc:
             for _, sock in socks:
                 sock.close()
             socks = []
             invalidate(self.engines, cfg.timeout_s)
-            if isinstance(exc, SyncError) or not isinstance(exc, Exception):
+            if isinstance(exc, SyncError):
                 raise
             if isinstance(exc, TimeoutError):
                 raise SyncTimeout(f"weight sync v{version} (cuda_ipc): {exc}") from exc
