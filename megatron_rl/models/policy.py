@@ -363,16 +363,6 @@ class MegatronPolicy:
         return hf_bridge.export_hf_weights(self.arch, [m.module for m in self.model], self.groups,
                                            value=lambda p: p.main_grad)
 
-    def set_lr(self, lr: float) -> None:
-        """Change the peak learning rate from the next step on (SFT cold start -> RL, per-stage lr);
-        the schedule's shape (warm-up, decay) is kept."""
-        lr = float(lr)
-        self.scheduler.max_lr = lr
-        self.scheduler.min_lr = min(self.scheduler.min_lr, lr)
-        for group in self.optimizer.param_groups:  # the scheduler reads these first when present
-            group["max_lr"] = lr
-            group["min_lr"] = min(group.get("min_lr", lr), lr)
-
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's (TP/PP-local) Megatron parameters, prefixed by chunk index."""
         for i, chunk in enumerate(self.model):
