@@ -48,6 +48,8 @@ class VLLMEngine(RolloutEngine):
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            # Colocated runs free the KV cache (and offload weights) while the trainer works.
+            kwargs["enable_sleep_mode"] = True
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         # One worker thread: vLLM is not re-entrant; the thread only lets us time out a hung call.
