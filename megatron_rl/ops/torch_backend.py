@@ -20,8 +20,9 @@ import torch
 
 from .stats import SoftmaxStats, merge_into
 
-# Defaults chosen by benchmarks/logprob_entropy.py on the CPU box and for an H200 (tile fp32 bytes:
-# CPU 2048*4096*4 = 32 MiB, GPU 8192*16384*4 = 512 MiB).
+# Tile sizes (fp32 bytes per tile buffer: CPU 2048*4096*4 = 32 MiB, GPU 8192*16384*4 = 512 MiB).
+# CPU: the sweeps in benchmarks/logprob_entropy.py on the shared 2-core box could not separate
+# 1024..4096-wide tiles from noise; GPU: sized for an H200's memory, not yet measured there.
 DEFAULT_CHUNKS = {"cpu": (2048, 4096), "cuda": (8192, 16384)}
 
 
