@@ -9,4 +9,8 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
 export WANDB_MODE=offline WANDB_SILENT=true
 export PYTHONWARNINGS="ignore::UserWarning,ignore::DeprecationWarning,ignore::FutureWarning"
-exec "$venv/bin/python" -m pytest -q -p no:cacheprovider --timeout=900 "$@" tests
+# Default to the whole suite unless test paths are given (e.g. `make test PYTEST_ARGS=tests/unit`).
+args=("$@"); has_path=0
+for a in "$@"; do case "$a" in -*) ;; *) [ -e "${a%%::*}" ] && has_path=1 ;; esac; done
+[ "$has_path" -eq 1 ] || args+=(tests)
+exec "$venv/bin/python" -m pytest -q -p no:cacheprovider --timeout=900 "${args[@]}"
