@@ -7,7 +7,7 @@ venv="${MEGATRON_RL_VENV:-$HOME/.cache/megatron-rl/venv}"
 extras="${1:-cpu,test}"
 py="${PYTHON:-python3}"
 
-stamp_src="$(cat "$here/pyproject.toml" "$here/constraints/cpu.txt" "$0" "$here/launch/install.sh"; echo "$extras")"
+stamp_src="$(cat "$here/pyproject.toml" "$here/constraints/cpu.txt" "$here/scripts/bootstrap.sh" "$here/launch/install.sh"; echo "$extras")"
 stamp="$(printf '%s' "$stamp_src" | sha256sum | cut -c1-16)"
 
 if [ ! -x "$venv/bin/python" ]; then
