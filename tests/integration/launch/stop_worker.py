@@ -32,6 +32,13 @@ def main() -> int:
             with open(os.path.join(out_dir, f"stopped-{rank}"), "w") as f:
                 f.write("helper alive" if helper.is_alive() else "helper dead")
             helper.terminate()
+            # Like the trainer's checkpoint barrier: no rank exits before every rank has stopped
+            # (torchrun tears the other workers down as soon as one exits non-zero).
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            wait_until = time.time() + 60
+            while time.time() < wait_until and not all(
+                    os.path.exists(os.path.join(out_dir, f"stopped-{r}")) for r in range(world)):
+                time.sleep(0.05)
             return 99
         time.sleep(0.1)
     helper.terminate()
