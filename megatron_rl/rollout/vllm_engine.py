@@ -111,9 +111,6 @@ class VLLMEngine(RolloutEngine):
     def reset_prefix_cache(self) -> None:
         self._call(self.llm.reset_prefix_cache)
 
-    def engine_checksums(self) -> dict[str, str]:
-        return self._call(lambda: self.llm.collective_rpc("mrl_named_checksums"))[0]
-
     def sleep(self) -> None:
         if torch.cuda.is_available():
             self._call(lambda: self.llm.sleep(level=1))
