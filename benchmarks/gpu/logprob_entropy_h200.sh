@@ -6,20 +6,9 @@
 # Offline: needs only the machine's torch + Triton. Writes its logs under $OUT (or /tmp/lpe_out).
 # Budget: ~1 min of compiles + tests, ~2-3 min of benchmarks; every step has its own timeout.
 set -uo pipefail
-out=${OUT:-/tmp/lpe_out}
-mkdir -p "$out"
-peers=$(mktemp -d /tmp/lpe_peers.XXXX)
-for w in build/peer_wheels/*.whl; do
-  [ -e "$w" ] && python -m zipfile -e "$w" "$peers"
-done
-export PYTHONPATH="$PWD:$peers${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-log="$out/logprob_entropy_h200.txt"
-{
-  date -u
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  ls build/peer_wheels 2>/dev/null
-} 2>&1 | tee "$log"
+. "$(dirname "$0")/common.sh"
+gpu_setup /tmp/lpe_out build/peer_wheels logprob_entropy_h200.txt
+python -c "import triton; print('triton', triton.__version__)" 2>&1 | tee -a "$log"
 
 echo "== correctness: tests/gpu (compiled Triton kernels and torch back-end vs float64)" | tee -a "$log"
 timeout 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_logprob_entropy_gpu.py 2>&1 \
@@ -32,4 +21,4 @@ timeout 240 python benchmarks/logprob_entropy.py --device cuda --backend triton 
 echo "== benchmark: torch chunked back-end on the GPU, bf16, big size" | tee -a "$log"
 timeout 120 python benchmarks/logprob_entropy.py --device cuda --backend torch --dtype bf16 \
   --sizes big --repeats 3 2>&1 | tee -a "$log"
-rm -rf "$peers"
+rm -rf "$gpu_site"

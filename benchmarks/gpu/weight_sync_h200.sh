@@ -9,19 +9,9 @@
 # received tensor on the GPU and the trainer compares: a correctness check of the IPC path.
 # Logs go to $OUT (or /tmp/sync_out). Budget: ~1 min start-up, ~2-4 min of trials.
 set -uo pipefail
-out=${OUT:-/tmp/sync_out}
-mkdir -p "$out"
-site=$(mktemp -d /tmp/sync_site.XXXX)
-for w in build/sync_wheels/*.whl; do
-  [ -e "$w" ] && python3 -m zipfile -e "$w" "$site"
-done
-export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-log="$out/weight_sync_h200.txt"
-{
-  date -u
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, zmq; print('torch', torch.__version__, 'zmq', zmq.__version__)"
-} 2>&1 | tee "$log"
+. "$(dirname "$0")/common.sh"
+gpu_setup /tmp/sync_out build/sync_wheels weight_sync_h200.txt
+python3 -c "import zmq; print('zmq', zmq.__version__)" 2>&1 | tee -a "$log"
 
 run() {  # label, timeout, args...
   local label=$1 limit=$2; shift 2
