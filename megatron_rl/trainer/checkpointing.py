@@ -75,7 +75,7 @@ def begin_stage(ctx, stage) -> tuple[TrainerState, PromptLoader | None]:
     return state, loader
 
 
-def _write(ctx, ckpt: Path, state: TrainerState, loader, also=None) -> None:
+def write_checkpoint(ctx, ckpt: Path, state: TrainerState, loader, also=None) -> None:
     """Write a checkpoint; ``also(ckpt)`` adds more to it before it is marked complete."""
     if ctx.is_driver and ckpt.exists():  # a half-written or superseded checkpoint: start clean
         shutil.rmtree(ckpt)
@@ -94,7 +94,7 @@ def _write(ctx, ckpt: Path, state: TrainerState, loader, also=None) -> None:
 
 def save_checkpoint(ctx, stage, state: TrainerState, loader) -> Path:
     ckpt = ctx.run.step_dir(stage.name, state.step)
-    _write(ctx, ckpt, state, loader)
+    write_checkpoint(ctx, ckpt, state, loader)
     if ctx.is_driver:
         ctx.run.prune(stage.name, ctx.cfg.trainer.keep_checkpoints)
         log.info("stage %s: checkpoint %s", stage.name, ckpt)
@@ -119,7 +119,7 @@ def export_hf(ctx, out_dir: Path) -> None:
 
 def finish_stage(ctx, stage, state: TrainerState, loader) -> Path:
     final = ctx.run.final_dir(stage.name)
-    _write(ctx, final, state, loader, also=lambda ckpt: export_hf(ctx, ckpt / "hf"))
+    write_checkpoint(ctx, final, state, loader, also=lambda ckpt: export_hf(ctx, ckpt / "hf"))
     if ctx.is_driver:
         rs = ctx.run.read_run_state()
         if stage.name not in rs["finished_stages"]:

@@ -13,7 +13,7 @@ import time
 
 from megatron_rl.data import PromptLoader
 from megatron_rl.trainer import phases
-from megatron_rl.trainer.checkpointing import _write
+from megatron_rl.trainer.checkpointing import write_checkpoint
 from megatron_rl.trainer.evaluate import evaluate, sync_weights
 from megatron_rl.trainer.state import TrainerState
 
@@ -32,7 +32,7 @@ def run_sft(ctx) -> None:
     if state is None:  # stopped by a signal
         return
     ctx.policy.set_lr(ctx.cfg.policy.optim.lr)
-    _write(ctx, ctx.run.final_dir("sft"), state, None)
+    write_checkpoint(ctx, ctx.run.final_dir("sft"), state, None)
     if ctx.is_driver:
         ctx.run.write_run_state({**ctx.run.read_run_state(), "sft_done": True, "sft_steps": state.step,
                                  "sft_seconds": time.perf_counter() - t0, "sft_final_lr": lr})
