@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.rewards import RewardItem
 from megatron_rl.rollout import SamplingSpec
+from megatron_rl.trainer.phases import reward_item
 
 
 def sync_weights(ctx, version: int) -> dict:
@@ -23,8 +23,7 @@ def evaluate(ctx, max_tokens: int, records=None, prefix: str = "eval") -> dict:
         return {}
     spec = SamplingSpec(n=1, temperature=0.0, max_tokens=ctx.cfg.rollout.eval_max_tokens or max_tokens)
     outs = [g[0] for g in ctx.engine.generate([r.prompt_ids for r in records], spec)]
-    items = [RewardItem(response=o.text, ground_truth=r.ground_truth, style=r.style,
-                        extra={"question": r.prompt_text, "data_source": r.data_source}) for o, r in zip(outs, records)]
+    items = [reward_item(r, o.text) for o, r in zip(outs, records)]
     scores, _ = ctx.reward_mgr.score(items)
     correct = torch.tensor(scores) >= ctx.cfg.algo.correct_reward
     trunc = torch.tensor([o.truncated for o in outs])

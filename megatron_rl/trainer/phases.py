@@ -43,11 +43,19 @@ def generate(engine, records, cfg, max_response_len: int, seed: int) -> Rollout:
                    truncated=torch.tensor([c.truncated for c in flat], dtype=torch.bool))
 
 
+def reward_item(record, response: str) -> RewardItem:
+    """What the reward manager needs to score ``response`` to ``record``'s prompt."""
+    return RewardItem(response=response, ground_truth=record.ground_truth, style=record.style,
+                      extra={"question": record.prompt_text, "data_source": record.data_source})
+
+
+def response_tokens(batch: SequenceBatch) -> float:
+    """Response tokens in ``batch``: the token-level loss's global denominator."""
+    return float(sum(len(s) - p for s, p in zip(batch.sequences, batch.prompt_lens)))
+
+
 def score(reward_mgr, ro: Rollout) -> dict:
-    items = [RewardItem(response=c.text, ground_truth=ro.records[g].ground_truth,
-                        style=ro.records[g].style, extra={"question": ro.records[g].prompt_text,
-                               "data_source": ro.records[g].data_source})
-             for c, g in zip(ro.completions, ro.group_ids.tolist())]
+    items = [reward_item(ro.records[g], c.text) for c, g in zip(ro.completions, ro.group_ids.tolist())]
     scores, metrics = reward_mgr.score(items)
     ro.rewards = torch.tensor(scores, dtype=torch.float32)
     return metrics
@@ -118,7 +126,7 @@ def split(batch: SequenceBatch, n: int) -> list[SequenceBatch]:
 
 def make_loss_fn(batch: SequenceBatch, cfg, *, alpha: float, max_response_len: int | None):
     """The per-micro-batch objective with the mini-batch's global denominators bound in."""
-    n_tokens = float(sum(len(s) - p for s, p in zip(batch.sequences, batch.prompt_lens)))
+    n_tokens = response_tokens(batch)
     n_seqs = float(len(batch.sequences))
 
     def loss_fn(mb: MicroBatch):

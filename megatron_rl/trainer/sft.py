@@ -98,7 +98,7 @@ def sft_loop(ctx, name: str, *, lr: float, stop_accuracy: float, max_seconds: fl
 def with_nll(loss_fn, batch):
     """Add the token-mean negative log-likelihood to the metrics (the SFT objective's value; the
     policy loss itself reads -A·ratio = -1 when ratio = 1 and A = 1)."""
-    n_tokens = float(sum(len(s) - p for s, p in zip(batch.sequences, batch.prompt_lens)))
+    n_tokens = phases.response_tokens(batch)
 
     def wrapped(mb):
         loss, metrics = loss_fn(mb)
