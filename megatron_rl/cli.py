@@ -32,13 +32,32 @@ def _setup_logging() -> None:
 
 
 def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[str]) -> int:
-    from megatron_rl.config import load_config
+    """The entry point of a run: config, CPU shim, process groups, the demo's inputs, the trainer's
+    parts, signal handlers, then the stages."""
+    from megatron_rl.compat import apply_cpu_shim
+    from megatron_rl.demo import prepare_inputs, tiny_model_dir
+    from megatron_rl.models import init_distributed
+    from megatron_rl.trainer.context import build_context
     from megatron_rl.trainer.run import run
+    from megatron_rl.trainer.schema import load_run_config
+    from megatron_rl.trainer.stop import StopRequest
 
     if run_dir:
         overrides = [*overrides, f"trainer.run_dir={run_dir}"]
-    cfg = load_config(config, overrides)
-    return run(cfg, only_stage=stage)
+    cfg = load_run_config(config, overrides)
+    if stage:
+        cfg.stage(stage)  # fail fast on an unknown stage, before anything is built
+    apply_cpu_shim()  # the one call that lets Megatron-Core run without CUDA (a no-op with CUDA)
+    groups = init_distributed(cfg.policy.parallel, seed=cfg.policy.seed)
+    model_path = cfg.model.path or str(tiny_model_dir(cfg.trainer.run_dir))
+    if groups.rank == 0:
+        prepare_inputs(cfg.trainer.run_dir, tiny=None if cfg.model.path else cfg.model.tiny,
+                       synthetic=cfg.synthetic, seed=cfg.trainer.seed)
+    groups.barrier()
+    stop = StopRequest()
+    ctx = build_context(cfg, groups, model_path, stop)
+    stop.install_signal_handlers()  # after the engines are built, so nothing replaces them
+    return run(ctx, only_stage=stage)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:2] == ["data", "difficulty"]:  # its own option parser (argparse.REMAINDER drops --options)
         _setup_logging()
         from megatron_rl.data import DataError
-        from megatron_rl.data.difficulty import cli_main
+        from megatron_rl.tools.difficulty import cli_main
 
         try:
             return cli_main(argv[2:])
@@ -81,10 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "demo":
             return _train(str(DEMO_CONFIG), args.run_dir, None, args.overrides)
         if args.cmd == "validate":
-            from megatron_rl.config import load_config
+            from megatron_rl.trainer.schema import load_run_config
 
             for c in args.configs:
-                load_config(c)
+                load_run_config(c)
                 print(f"ok  {c}")
             return 0
     except ConfigError as exc:

@@ -7,7 +7,7 @@
 #
 # Idempotent: a second `start` with an unchanged config only checks the node. Needs root (it runs
 # apt-get and writes /etc/slurm). Debian's slurm 22.05 + munge, set up the way that works without
-# systemd or cgroup v2 delegation (see DESIGN.md): munged via runuser, proctrack/linuxproc,
+# systemd or cgroup v2 delegation: munged via runuser, proctrack/linuxproc,
 # task/none, select/cons_tres + CR_Core_Memory with DefMemPerCPU (else one job takes the whole node),
 # no accounting, and fake GPUs (character devices aliasing /dev/null) so that --gpus-per-node works.
 #

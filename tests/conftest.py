@@ -17,6 +17,6 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
-    from megatron_rl.models.tiny import TinySpec, write_tiny_model
+    from megatron_rl.demo import TinySpec, write_tiny_model
 
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny_llama"), TinySpec(num_kv_heads=2, seed=7)))

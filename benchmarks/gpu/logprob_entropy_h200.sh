@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# H200 check of the fused log-prob + entropy op (issue 4). Run from the repo root on the device
+# H200 check of the fused log-prob + entropy op. Run from the repo root on the device
 # machine, after benchmarks/gpu/fetch_peer_wheels.sh here, with carry ["build/peer_wheels"]:
 #   run(command="bash benchmarks/gpu/logprob_entropy_h200.sh", carry=["build/peer_wheels"],
 #       timeout_s=540)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# H200 check of the weight sync (issue 6): the colocated CUDA-IPC path, since NCCL refuses two
+# H200 check of the weight sync: the colocated CUDA-IPC path, since NCCL refuses two
 # processes on one GPU. Run from the repo root on the device machine, after
 # benchmarks/gpu/fetch_sync_wheels.sh here:
 #   run(command="bash benchmarks/gpu/weight_sync_h200.sh", carry=["build/sync_wheels"], timeout_s=480)

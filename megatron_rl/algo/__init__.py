@@ -3,8 +3,8 @@
 Advantage estimators and policy losses are registered by name; the config selects them.
 """
 
-from megatron_rl.algo.registry import (ADV_ESTIMATORS, POLICY_LOSSES, Registry,
-                                       register_adv_estimator, register_policy_loss)
+from megatron_rl.algo.registry import (ADV_ESTIMATORS, POLICY_LOSSES, register_adv_estimator,
+                                       register_policy_loss)
 from megatron_rl.algo.config import (AlgoConfig, ClipConfig, EntropyConfig, KLConfig,
                                      MismatchConfig)
 from megatron_rl.algo.advantages import compute_advantages, grpo_advantages_reference
@@ -18,7 +18,7 @@ from megatron_rl.algo.objective import policy_objective
 from megatron_rl.algo.schedule import sgd_schedule
 
 __all__ = [
-    "ADV_ESTIMATORS", "POLICY_LOSSES", "Registry", "register_adv_estimator",
+    "ADV_ESTIMATORS", "POLICY_LOSSES", "register_adv_estimator",
     "register_policy_loss", "AlgoConfig", "ClipConfig", "EntropyConfig", "KLConfig",
     "MismatchConfig", "compute_advantages", "grpo_advantages_reference", "filter_groups",
     "filter_groups_reference", "ppo_clip_loss", "reinforce_loss", "LOSS_AGG_MODES", "aggregate",

@@ -1,7 +1,7 @@
 """Group filtering: drop groups whose rewards carry no signal (zero variance).
 
 A group has zero variance when all its rewards are equal: all-correct, all-wrong, or the same
-fractional reward (seed 002: fractional rewards break all-0 / all-1 filters). Single-response
+fractional reward (fractional rewards break all-0 / all-1 filters). Single-response
 groups have zero variance too. The counts are reported whether or not filtering is on.
 """
 

@@ -2,7 +2,7 @@
 
 Every component declares its own config as a subclass of :class:`ConfigBase`, documents each field
 where it is declared (a comment right above it), and checks its own values in ``validate``. Checks
-that span components live in one function, :func:`megatron_rl.config.schema.validate_cross`.
+that span components live in one function, :func:`megatron_rl.trainer.schema.validate_cross`.
 
 Errors always name the dotted key (``algo.clip.eps_high``) and, when the value came from a file, the
 file, so a typo in a YAML file is an error and never a silent default.

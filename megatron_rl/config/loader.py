@@ -1,20 +1,23 @@
-"""Load a run config: YAML files with ``defaults:`` inheritance, then dotted CLI overrides.
+"""Load a typed config: YAML files with ``defaults:`` inheritance, then dotted CLI overrides.
 
-    cfg = load_config("configs/demo_cpu.yaml", ["rollout.temperature=0.8", "trainer.run_dir=runs/x"])
+    cfg = load(SomeConfig, "my.yaml", ["a.b=0.8", "c=[1, 2]"])
 
 A file may start with ``defaults: [base.yaml, ...]`` (paths relative to the file); later files and
-the file itself override earlier ones key by key (mappings merge, everything else replaces). The
-string ``{run_dir}`` in any value is replaced by ``trainer.run_dir`` after merging.
+the file itself override earlier ones key by key (mappings merge, everything else replaces). Generic
+machinery: it knows no component; the run's own schema (``megatron_rl.trainer.schema``) calls it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
-from megatron_rl.config.base import ConfigError
+from megatron_rl.config.base import ConfigBase, ConfigError
+
+C = TypeVar("C", bound=ConfigBase)
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -88,25 +91,30 @@ def apply_override(tree: dict, item: str) -> dict:
     return tree
 
 
-def _substitute(value: Any, run_dir: str) -> Any:
+def substitute(value: Any, placeholder: str, replacement: str) -> Any:
+    """``placeholder`` replaced by ``replacement`` in every string of a YAML tree."""
     if isinstance(value, str):
-        return value.replace("{run_dir}", run_dir)
+        return value.replace(placeholder, replacement)
     if isinstance(value, dict):
-        return {k: _substitute(v, run_dir) for k, v in value.items()}
+        return {k: substitute(v, placeholder, replacement) for k, v in value.items()}
     if isinstance(value, list):
-        return [_substitute(v, run_dir) for v in value]
+        return [substitute(v, placeholder, replacement) for v in value]
     return value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None, validate: bool = True):
-    from megatron_rl.config.schema import RunConfig
+def load(cls: type[C], path: str | Path | None = None, overrides: list[str] | None = None, *,
+         validate: bool = True, prepare: Callable[[dict], dict] | None = None) -> C:
+    """Build config class ``cls`` from ``path`` (optional) and ``a.b=value`` overrides.
 
+    ``prepare`` may rewrite the merged tree before it is typed (placeholders). With ``validate``,
+    an error from an overridden key names the command line instead of the file.
+    """
     tree = load_yaml_tree(path) if path else {}
     for item in overrides or []:
         tree = apply_override(tree, item)
-    run_dir = str((tree.get("trainer") or {}).get("run_dir", "runs/default"))
-    tree = _substitute(tree, run_dir)
-    cfg = RunConfig.from_dict(tree, source=str(path) if path else None)
+    if prepare is not None:
+        tree = prepare(tree)
+    cfg = cls.from_dict(tree, source=str(path) if path else None)
     if validate:
         try:
             cfg.validate()

@@ -1,7 +1,7 @@
 """Prompt data: verl-format datasets (jsonl / json / parquet), a resumable loader, difficulty labels.
 
-``synthetic`` holds the CPU demo's addition task; ``difficulty`` the data-cleaning labeller
-(``megatron-rl data difficulty``).
+The labels are written by ``megatron_rl.tools.difficulty`` (``megatron-rl data difficulty``); the
+CPU demo's addition task is ``megatron_rl.demo.synthetic``.
 """
 
 from megatron_rl.data.config import DIFFICULTY_LABELS, DataConfig

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from megatron_rl.config.base import ConfigBase
 
-# Difficulty labels written by `megatron-rl data difficulty` (megatron_rl/data/difficulty.py).
+# Difficulty labels written by `megatron-rl data difficulty` (megatron_rl/tools/difficulty.py).
 DIFFICULTY_LABELS = ("solved", "unsolved", "hard", "suspected_wrong_label", "mixed")
 
 

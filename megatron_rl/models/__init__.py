@@ -1,4 +1,14 @@
-"""Megatron-Core policy: build from HF checkpoints, log-probs/entropy, train step, HF export."""
+"""The Megatron-Core policy, one job per file:
+
+* ``parallel.py``: the one interface to Megatron's global parallel state (``init_distributed`` ->
+  :class:`ParallelGroups`; a chunk's place in the pipeline, the model-parallel RNG, a barrier);
+* ``config.py``: the policy's typed config; ``batch.py``: the batches the policy consumes and their
+  DP / micro-batch split; ``micro_batches.py``: one rank's micro-batches as model inputs;
+* ``hf_config.py`` (HF architecture), ``gpt.py`` + ``layers.py`` (model construction),
+  ``hf_rules.py`` (name and layout rules, shard / unshard), ``hf_load.py``, ``hf_export.py``;
+* ``optimizer.py``: DDP, optimizer and LR schedule; ``checkpoint.py``: checkpoints + RNG;
+* ``policy.py``: :class:`MegatronPolicy` (log-probs, train step through the pipeline schedule, export).
+"""
 
 from megatron_rl.models.batch import MicroBatch, SequenceBatch
 from megatron_rl.models.config import OptimConfig, ParallelConfig, PolicyConfig

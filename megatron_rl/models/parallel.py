@@ -1,9 +1,14 @@
 """The one interface to Megatron-Core's global parallel state.
 
-:func:`init_distributed` starts (or joins) the torch.distributed world, applies the CPU shim, checks
-the layout, initialises Megatron's ``parallel_state`` and model-parallel RNG, and returns a
+:func:`init_distributed` starts (or joins) the torch.distributed world, checks the layout,
+initialises Megatron's ``parallel_state`` and model-parallel RNG, and returns a
 :class:`ParallelGroups` holding the process groups explicitly. Everything else in the project takes
-a ``ParallelGroups`` and never touches ``megatron.core.parallel_state``.
+a ``ParallelGroups`` and never touches ``megatron.core.parallel_state`` or the model-parallel RNG
+tracker: what it needs from them (a chunk's place in the pipeline, the RNG states a checkpoint
+keeps, a barrier) is asked here.
+
+Without CUDA, the entry point applies the CPU shim first (``megatron_rl.compat.apply_cpu_shim()``,
+one explicit call); :func:`init_distributed` then uses gloo and refuses to start if it was not applied.
 
 Works under torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` in the environment) and in a plain
 process (a one-rank world on a private file store). Calling it again with another layout tears the
@@ -21,7 +26,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from megatron_rl.compat import apply_cpu_shim, megatron_cpu_scope
+from megatron_rl.compat import cpu_shim_active, megatron_cpu_scope
 from megatron_rl.compat.megatron_fixes import apply_megatron_fixes
 from megatron_rl.config.base import ConfigError
 from megatron_rl.models.config import ParallelConfig
@@ -71,6 +76,11 @@ class ParallelGroups:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
+
+    def barrier(self) -> None:
+        """Wait for every rank of the world (a no-op in a one-rank world)."""
+        if self.world_size > 1:
+            dist.barrier()
 
     def check_current(self) -> None:
         """Raise if Megatron's groups were rebuilt for another layout since these were made."""
@@ -138,7 +148,11 @@ def init_distributed(cfg: ParallelConfig, timeout_s: float | None = None,
     from megatron.core import tensor_parallel
 
     timeout_s = cfg.timeout_s if timeout_s is None else timeout_s
-    shim = apply_cpu_shim()
+    shim = cpu_shim_active()
+    if not shim and not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device and the CPU shim is not applied: call "
+                           "megatron_rl.compat.apply_cpu_shim() once at the entry point, before "
+                           "init_distributed")
     apply_megatron_fixes()
     backend = "gloo" if shim else "nccl"
     world_rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() \
@@ -186,6 +200,30 @@ def init_distributed(cfg: ParallelConfig, timeout_s: float | None = None,
     )
 
 
+def chunk_ends(groups: ParallelGroups, vp_stage: int | None) -> tuple[bool, bool]:
+    """Whether this rank's model chunk ``vp_stage`` (None without virtual stages) holds the
+    embedding (first stage) and the output layer (last stage): Megatron's ``pre_process`` /
+    ``post_process``."""
+    from megatron.core import parallel_state as ps
+
+    groups.check_current()
+    return (ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
+
+
+def rng_tracker_states() -> dict:
+    """The model-parallel RNG tracker's states (this rank's; a checkpoint keeps them)."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return get_cuda_rng_tracker().get_states()
+
+
+def set_rng_tracker_states(states: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker().set_states(states)
+
+
 def destroy_distributed() -> None:
     """Tear down Megatron's groups and the torch.distributed world (end of a run or a test)."""
     from megatron.core import parallel_state as ps
@@ -198,5 +236,5 @@ def destroy_distributed() -> None:
     _GENERATION["layout"] = None
 
 
-__all__ = ["ConfigError", "ModelShape", "ParallelGroups", "check_layout", "destroy_distributed",
-           "init_distributed"]
+__all__ = ["ConfigError", "ModelShape", "ParallelGroups", "check_layout", "chunk_ends",
+           "destroy_distributed", "init_distributed", "rng_tracker_states", "set_rng_tracker_states"]

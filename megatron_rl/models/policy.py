@@ -16,7 +16,6 @@ scaling in ``finalize_model_grads``: micro-batch losses are summed, DP gradients
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -25,113 +24,25 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_rl.common.metrics import reduce_metrics
 from megatron_rl.compat import megatron_cpu_scope
-from megatron_rl.compat.megatron_fixes import init_empty_adam_state
-from megatron_rl.models import hf_bridge
-from megatron_rl.models.batch import (MicroBatch, SequenceBatch, pack_micro_batches,
-                                      pad_token_fields, shard_for_dp)
+from megatron_rl.models import checkpoint, gpt
+from megatron_rl.models.batch import MicroBatch, SequenceBatch, pad_token_fields
 from megatron_rl.models.config import PolicyConfig
+from megatron_rl.models.hf_config import HFArch, read_hf_config
+from megatron_rl.models.hf_export import export_hf_weights
+from megatron_rl.models.hf_load import load_hf_weights
+from megatron_rl.models.micro_batches import MicroInputs, plan_micro_batches
+from megatron_rl.models.optimizer import wrap_for_training
 from megatron_rl.models.parallel import ParallelGroups, check_layout
 
 LossFn = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, float]]]
 
 
-@dataclasses.dataclass
-class _Micro:
-    """One micro-batch's model inputs and where its response tokens sit."""
-
-    index: list[int]  # positions in the SequenceBatch
-    input_ids: torch.Tensor  # [b, S]
-    position_ids: torch.Tensor  # [b, S]
-    pos_s: torch.Tensor  # [N] sequence position whose output predicts a response token
-    pos_b: torch.Tensor  # [N] row of that token
-    col: torch.Tensor  # [N] column of that token in the [b, T] response layout
-    labels: torch.Tensor  # [N] the response token ids
-    mask: torch.Tensor  # [b, T]
-    width: int  # T
-    # A stand-in so that a rank with no response tokens still runs the schedule (and joins the
-    # gradient all-reduce): its outputs are ignored and its loss is 0.
-    dummy: bool = False
-
-
-def _make_micro(batch: SequenceBatch, index: list[int], seq_len: int, rows: int, device) -> _Micro:
-    """Inputs ``[rows, seq_len]`` (right-padded; rows beyond ``index`` are padding) and the
-    positions of the response tokens."""
-    seqs = [batch.sequences[i] for i in index]
-    prompts = [batch.prompt_lens[i] for i in index]
-    ids = torch.zeros(rows, seq_len, dtype=torch.long)
-    pos_s, pos_b, col, labels = [], [], [], []
-    width = max(1, max(len(s) - p for s, p in zip(seqs, prompts)))
-    mask = torch.zeros(len(seqs), width, dtype=torch.bool)
-    for r, (s, p) in enumerate(zip(seqs, prompts)):
-        ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
-        n = len(s) - p
-        pos_s.append(torch.arange(p - 1, len(s) - 1))
-        pos_b.append(torch.full((n,), r, dtype=torch.long))
-        col.append(torch.arange(n))
-        labels.append(torch.tensor(s[p:], dtype=torch.long))
-        mask[r, :n] = True
-    cat = lambda xs: torch.cat(xs).to(device)  # noqa: E731
-    return _Micro(index=index, input_ids=ids.to(device),
-                  position_ids=torch.arange(seq_len).expand(rows, seq_len).to(device),
-                  pos_s=cat(pos_s), pos_b=cat(pos_b), col=cat(col), labels=cat(labels),
-                  mask=mask.to(device), width=width)
-
-
-def _reduce_metrics(dicts: list[dict[str, float]]) -> dict[str, float]:
-    """Keys ending in ``_min`` / ``_max`` reduce with min / max, all others are summed."""
-    out: dict[str, float] = {}
-    for d in dicts:
-        for key, value in d.items():
-            value = float(value)
-            if key not in out:
-                out[key] = value
-            elif key.endswith("_min"):
-                out[key] = min(out[key], value)
-            elif key.endswith("_max"):
-                out[key] = max(out[key], value)
-            else:
-                out[key] += value
-    return out
-
-
-def _wrap_for_training(chunks: list, cfg: PolicyConfig, dtype: torch.dtype):
-    """Megatron DDP around each chunk, the (distributed) Adam optimizer and the LR schedule."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    par, oc = cfg.parallel, cfg.optim
-    config = chunks[0].config
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-        use_distributed_optimizer=par.use_distributed_optimizer, check_for_nan_in_grad=False)
-    model = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
-             for i, chunk in enumerate(chunks)]
-    optimizer = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=oc.lr, min_lr=oc.min_lr, weight_decay=oc.weight_decay,
-        adam_beta1=oc.adam_beta1, adam_beta2=oc.adam_beta2, adam_eps=oc.adam_eps,
-        clip_grad=oc.clip_grad, bf16=dtype == torch.bfloat16, fp16=False, params_dtype=dtype,
-        use_distributed_optimizer=par.use_distributed_optimizer), model)
-    decay_steps = oc.lr_decay_steps or oc.lr_warmup_steps + 1
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=oc.lr, min_lr=oc.min_lr,
-        lr_warmup_steps=oc.lr_warmup_steps, lr_decay_steps=decay_steps,
-        lr_decay_style=oc.lr_decay_style, start_wd=oc.weight_decay, end_wd=oc.weight_decay,
-        wd_incr_steps=decay_steps, wd_incr_style="constant")
-    # Sum, never average: calculate_per_token_loss=True keeps Megatron from dividing the loss by
-    # the micro-batch count and DDP from scaling by 1/DP; finalize without token scaling.
-    config.finalize_model_grads_func = (
-        lambda m, num_tokens, **kw: finalize_model_grads(m, None, **kw))
-    config.grad_scale_func = optimizer.scale_loss
-    return model, optimizer, scheduler
-
-
 class MegatronPolicy:
     """A Megatron-Core GPT policy on one layout; every method is collective over the world."""
 
-    def __init__(self, arch: hf_bridge.HFArch, cfg: PolicyConfig, groups: ParallelGroups,
+    def __init__(self, arch: HFArch, cfg: PolicyConfig, groups: ParallelGroups,
                  model: list, optimizer, scheduler):
         self.arch = arch
         self.cfg = cfg
@@ -154,44 +65,19 @@ class MegatronPolicy:
             raise ValueError(f"policy.parallel asks for (TP, PP, VPP, SP) = {want} but the process "
                              f"groups were initialised for {got}: pass the same ParallelConfig to "
                              f"init_distributed")
-        arch = hf_bridge.read_hf_config(hf_dir)
+        arch = read_hf_config(hf_dir)
         check_layout(par, groups.world_size, arch.shape)  # before building anything
         dtype = torch.bfloat16 if cfg.params_dtype == "bf16" else torch.float32
         with megatron_cpu_scope():  # construction allocates on "cuda" (no-op with CUDA)
-            chunks = hf_bridge.build_model_chunks(arch, groups, dtype)
-            hf_bridge.load_hf_weights(arch, chunks, hf_dir, groups)
+            chunks = gpt.build_model_chunks(arch, groups, dtype)
+            load_hf_weights(arch, chunks, hf_dir, groups)
             if groups.device.type == "cuda":  # built and loaded on the CPU (deterministic init)
                 chunks = [chunk.cuda(groups.device) for chunk in chunks]
-            model, optimizer, scheduler = _wrap_for_training(chunks, cfg, dtype)
+            model, optimizer, scheduler = wrap_for_training(chunks, cfg, dtype)
         return cls(arch, cfg, groups, model, optimizer, scheduler)
 
     # ---------------------------------------------------------------- schedule plumbing
-    def _micro_batches(self, batch: SequenceBatch) -> list[_Micro]:
-        g = self.groups
-        lengths = [len(s) for s in batch.sequences]
-        # Sequences without response tokens contribute nothing: never sent through the model.
-        useful = [i for i, n in enumerate(batch.response_lens) if n > 0]
-        shard = shard_for_dp([lengths[i] for i in useful], g.dp)[g.dp_rank]
-        mine = [useful[k] for k in shard]
-        dummy = not mine
-        if dummy:
-            mine = [min(range(len(lengths)), key=lambda i: lengths[i])]
-        groups = pack_micro_batches(lengths, mine, self.cfg.micro_batch_tokens,
-                                    multiple_of=g.pp if g.vpp > 1 else 1)
-        pad_to = g.tp if g.sequence_parallel else 1  # sequence parallel splits the sequence
-        shapes = [(-(-max(lengths[i] for i in idx) // pad_to) * pad_to, len(idx)) for idx in groups]
-        if g.vpp > 1:
-            # The interleaved schedule hangs with variable shapes (seen with megatron-core 0.16.1
-            # on gloo): one padded shape for every micro-batch of the step.
-            common = (max(s for s, _ in shapes), max(r for _, r in shapes))
-            shapes = [common] * len(groups)
-        micro = [_make_micro(batch, idx, seq, rows, g.device)
-                 for idx, (seq, rows) in zip(groups, shapes)]
-        for mb in micro:
-            mb.dummy = dummy
-        return micro
-
-    def _token_stats(self, mb: _Micro, hidden: torch.Tensor, chunk, temperature: float,
+    def _token_stats(self, mb: MicroInputs, hidden: torch.Tensor, chunk, temperature: float,
                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response-token log-probs and entropy, flat ``[N]``, from the last stage's hidden states."""
         from megatron_rl.ops import fused_logprob_entropy
@@ -201,7 +87,7 @@ class MegatronPolicy:
 
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         picked = hidden[mb.pos_s, mb.pos_b]  # [N, H]
-        weight = hf_bridge.output_weight(chunk.module)
+        weight = gpt.output_weight(chunk.module)
         picked, weight = self._mask_vocab_padding(picked, weight)
         return fused_logprob_entropy(
             picked, weight, mb.labels, temperature=temperature,
@@ -225,7 +111,7 @@ class MegatronPolicy:
         ones = hidden.new_ones(hidden.shape[0], 1)
         return torch.cat([hidden, ones], dim=1), torch.cat([weight, bias[:, None]], dim=1)
 
-    def _run(self, micro: list[_Micro], step_fn, forward_only: bool):
+    def _run(self, micro: list[MicroInputs], step_fn, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         g = self.groups
@@ -258,7 +144,7 @@ class MegatronPolicy:
         No gradient. Collective; every rank returns the full result (CPU float32 tensors).
         """
         g = self.groups
-        micro = self._micro_batches(batch)
+        micro = plan_micro_batches(batch, self.groups, self.cfg.micro_batch_tokens)
 
         def collect(mb, chunk, hidden, non_loss_data=False):
             logp, ent = self._token_stats(mb, hidden, chunk, temperature, with_entropy)
@@ -291,7 +177,7 @@ class MegatronPolicy:
                    with_entropy: bool) -> dict[str, float]:
         """One optimizer step on this mini-batch; returns reduced metrics + grad_norm and lr."""
         g = self.groups
-        micro = self._micro_batches(batch)
+        micro = plan_micro_batches(batch, self.groups, self.cfg.micro_batch_tokens)
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -324,7 +210,7 @@ class MegatronPolicy:
             dist.all_gather_object(gathered, mine)
         else:
             gathered = [mine]
-        metrics = _reduce_metrics([d for part in gathered for d in part])
+        metrics = reduce_metrics(d for part in gathered for d in part)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
         metrics["lr"] = lr
         if not ok:
@@ -351,7 +237,7 @@ class MegatronPolicy:
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         """``(HF name, full tensor)`` on global rank 0, ``(HF name, None)`` elsewhere (collective:
         every rank iterates to the end)."""
-        return hf_bridge.export_hf_weights(self.arch, [m.module for m in self.model], self.groups)
+        return export_hf_weights(self.arch, [m.module for m in self.model], self.groups)
 
     def export_hf_grads(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         """Like :meth:`export_hf_weights` for the gradients of the last :meth:`train_step`
@@ -360,7 +246,7 @@ class MegatronPolicy:
         if self.cfg.parallel.use_distributed_optimizer and self.groups.dp > 1:
             raise RuntimeError("export_hf_grads is not available with the distributed optimizer "
                                "at DP > 1")
-        return hf_bridge.export_hf_weights(self.arch, [m.module for m in self.model], self.groups,
+        return export_hf_weights(self.arch, [m.module for m in self.model], self.groups,
                                            value=lambda p: p.main_grad)
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -370,103 +256,11 @@ class MegatronPolicy:
                 yield f"{i}.{name}", p
 
     # ---------------------------------------------------------------- checkpoints
-    def _sharded_state_dict(self, is_loading: bool) -> dict:
-        sd = {f"model_chunk{i}": chunk.module.sharded_state_dict()
-              for i, chunk in enumerate(self.model)}
-        sd["optimizer"] = self.optimizer.sharded_state_dict(
-            sd, is_loading=is_loading, metadata=_OPTIM_CKPT_METADATA)
-        sd["scheduler"] = self.scheduler.state_dict()
-        sd["steps"] = self.steps
-        sd["distributed_optimizer"] = self.cfg.parallel.use_distributed_optimizer
-        return sd
-
     def save_checkpoint(self, ckpt_dir: str | Path) -> None:
-        """Save model, optimizer, LR schedule and step count with Megatron's distributed
-        checkpointing (loadable at another TP x PP x DP layout with the same
-        ``use_distributed_optimizer``: the two optimizers store their state differently), plus
-        this rank's RNG states. Known gap: with the distributed optimizer, weights, step and
-        schedule restore exactly but the Adam moments of the norm weights do not (the next step
-        differs by ~0.35 lr in those weights, also at the same layout); the plain optimizer's
-        checkpoints are exact across layouts.
-
-        Collective. ``ckpt_dir`` must not exist or be empty.
-        """
-        from megatron.core import dist_checkpointing
-
-        g = self.groups
-        g.check_current()
-        path = Path(ckpt_dir)
-        if g.rank == 0:
-            path.mkdir(parents=True, exist_ok=True)
-            if any(path.iterdir()):
-                raise FileExistsError(f"checkpoint directory {path} is not empty")
-        _barrier(g)
-        with megatron_cpu_scope():
-            dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(path))
-        rng_dir = path / _RNG_DIR
-        if g.rank == 0:
-            rng_dir.mkdir(exist_ok=True)
-        _barrier(g)
-        torch.save({"layout": self._layout(), "cpu": torch.get_rng_state(),
-                    "tracker": _rng_tracker_states()}, rng_dir / f"rank{g.rank}.pt")
-        _barrier(g)
+        """Save model, optimizer, LR schedule, step count and RNG states (collective; see
+        :mod:`megatron_rl.models.checkpoint`). ``ckpt_dir`` must not exist or be empty."""
+        checkpoint.save_checkpoint(self, ckpt_dir)
 
     def load_checkpoint(self, ckpt_dir: str | Path) -> None:
-        """Load a checkpoint written by :meth:`save_checkpoint`, at this or another layout.
-
-        RNG states are restored when the layout is the same (they are per rank); otherwise the
-        current ones stay (the policy has no dropout, so the numbers do not depend on them).
-        """
-        from megatron.core import dist_checkpointing
-
-        g = self.groups
-        g.check_current()
-        path = Path(ckpt_dir)
-        if not (path / "metadata.json").is_file():
-            raise FileNotFoundError(f"{path} is not a Megatron distributed checkpoint "
-                                    f"(no metadata.json)")
-        saved = bool(dist_checkpointing.load_common_state_dict(str(path))
-                     .get("distributed_optimizer", False))
-        if saved != self.cfg.parallel.use_distributed_optimizer:
-            raise ValueError(f"{path} was written with use_distributed_optimizer={saved}, this "
-                             f"policy has {self.cfg.parallel.use_distributed_optimizer}: Megatron "
-                             f"stores the two optimizers' states differently")
-        init_empty_adam_state(self.optimizer)
-        with megatron_cpu_scope():
-            loaded = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(path))
-            for i, chunk in enumerate(self.model):
-                chunk.module.load_state_dict(loaded[f"model_chunk{i}"])
-            self.optimizer.load_state_dict(loaded["optimizer"])
-            self.scheduler.load_state_dict(loaded["scheduler"])
-        self.steps = int(loaded["steps"])
-        rng_file = path / _RNG_DIR / f"rank{g.rank}.pt"
-        if rng_file.is_file():
-            rng = torch.load(rng_file, weights_only=False)
-            if rng["layout"] == self._layout():
-                torch.set_rng_state(rng["cpu"])
-                _set_rng_tracker_states(rng["tracker"])
-
-    def _layout(self) -> tuple[int, ...]:
-        g = self.groups
-        return (g.world_size, g.tp, g.pp, g.vpp)
-
-
-_OPTIM_CKPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-_RNG_DIR = "rng"
-
-
-def _barrier(groups: ParallelGroups) -> None:
-    if groups.world_size > 1:
-        dist.barrier()
-
-
-def _rng_tracker_states() -> dict:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    return get_cuda_rng_tracker().get_states()
-
-
-def _set_rng_tracker_states(states: dict) -> None:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    get_cuda_rng_tracker().set_states(states)
+        """Load a checkpoint written by :meth:`save_checkpoint`, at this or another layout."""
+        checkpoint.load_checkpoint(self, ckpt_dir)

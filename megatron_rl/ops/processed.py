@@ -10,7 +10,7 @@ returns, for a sampled token, ``log_softmax`` of the fp32 logits after, in this 
    a token stays iff the mass of the tokens sorted above it is ``< p``.
 
 :func:`processed_logprobs` reproduces that for the trainer, so the importance ratio compares the
-same distribution on both sides (seed 002's train-inference consistency point). It is the unfused
+same distribution on both sides (train-inference consistency). It is the unfused
 path: one chunk of tokens holds its full-vocabulary logits at a time (gathered over the vocab-parallel
 group when the weight is split), and each chunk is recomputed in the backward pass
 (activation checkpointing), so only one chunk's logits are alive at any moment.

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from megatron_rl.common.registry import Registry
+
 # Outcome statuses. "correct"/"wrong" are verdicts; the rest are counted zeros.
 CORRECT, WRONG, UNPARSABLE, ERROR, TIMEOUT = "correct", "wrong", "unparsable", "error", "timeout"
 STATUSES = (CORRECT, WRONG, UNPARSABLE, ERROR, TIMEOUT)
@@ -43,15 +45,19 @@ class Outcome:
 class RewardStyle:
     name: str
     fn: Callable[[RewardItem, Any], Outcome]
+    # Runs in the verifier process pool under a hard per-item timeout.
     pooled: bool
     # Name of the RewardConfig section whose ``timeout_s`` bounds one pooled item ("math", "code").
     timeout_section: str
+    # Scored by the judge endpoint (``reward.judge``), as concurrent requests for the whole batch.
+    judged: bool = False
 
 
-_REGISTRY: dict[str, RewardStyle] = {}
+REWARD_STYLES: Registry[RewardStyle] = Registry("reward style")
 
 
-def register_reward(name: str, *, pooled: bool = False, timeout_section: str = "math"):
+def register_reward(name: str, *, pooled: bool = False, timeout_section: str = "math",
+                    judged: bool = False):
     """Decorator: register ``fn(item, cfg: RewardConfig) -> Outcome`` as reward style ``name``.
 
     Pooled functions must be importable module-level functions (the pool workers import the
@@ -59,20 +65,15 @@ def register_reward(name: str, *, pooled: bool = False, timeout_section: str = "
     """
 
     def deco(fn):
-        if name in _REGISTRY and _REGISTRY[name].fn is not fn:
-            raise ValueError(f"reward style {name!r} is already registered ({_REGISTRY[name].fn})")
-        _REGISTRY[name] = RewardStyle(name, fn, pooled, timeout_section)
+        REWARD_STYLES.add(name, RewardStyle(name, fn, pooled, timeout_section, judged))
         return fn
 
     return deco
 
 
 def get_style(name: str) -> RewardStyle:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"unknown reward style {name!r}; registered: {sorted(_REGISTRY)}") from None
+    return REWARD_STYLES[name]
 
 
 def registered_styles() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(REWARD_STYLES)

@@ -1,6 +1,6 @@
 """A generative judge: an OpenAI-compatible chat endpoint (e.g. a vLLM server) decides equivalence.
 
-Seed 002: rules fail on "96%" vs "96" or "π" vs "3.14"; a strong model that reads the required
+Rules fail on "96%" vs "96" or "π" vs "3.14"; a strong model that reads the required
 answer format and knows equivalent forms judges better. The prompt tells the judge to compare, not to
 solve. Every request has a timeout; a failed or unparsable reply is an ``error`` (a counted zero).
 """
@@ -74,7 +74,7 @@ def judge_batch(items: list[RewardItem], jcfg) -> list[Outcome]:
         return list(ex.map(lambda it: judge_one(it, jcfg), items))
 
 
-@register_reward("llm_judge")
+@register_reward("llm_judge", judged=True)
 def llm_judge_reward(item: RewardItem, cfg) -> Outcome:
     """The judge as the only verifier (the manager batches these requests)."""
     return judge_one(item, cfg.judge)

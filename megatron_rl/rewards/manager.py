@@ -1,8 +1,9 @@
 """RewardManager: score a batch of responses by style; a bad sample is a counted zero, never a crash.
 
 In-process styles (``exact_boxed``) run inline; pooled styles (``math``, ``code``) run in a
-:class:`HardTimeoutPool` started lazily on first use; the judge (``llm_judge`` style, or
-``judge.mode`` main/fallback for ``judge.styles``) runs as concurrent HTTP requests.
+:class:`HardTimeoutPool` started lazily on first use; the judge (styles registered ``judged``, or
+``judge.mode`` main/fallback for ``judge.styles``) runs as concurrent HTTP requests. Every choice
+is a lookup of the style's registered properties (``pooled``, ``judged``), never its name.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class RewardManager:
         styles = [self.resolve_style(it.style, it.extra.get("data_source", "")) for it in items]
         jcfg = self.cfg.judge
         judged = {i for i, s in enumerate(styles)
-                  if s == "llm_judge" or (jcfg.mode == "main" and s in jcfg.styles)}
+                  if get_style(s).judged or (jcfg.mode == "main" and s in jcfg.styles)}
         restarts_before = self._pool.restarts if self._pool else 0
         outcomes = self._score_by_rules(items, styles, skip=judged)
         judge_metrics = self._apply_judge(items, styles, outcomes, judged)

@@ -1,11 +1,11 @@
 """Math rewards: ``exact_boxed`` (in-process string match) and ``math`` (math-verify in the pool).
 
-Verdicts on seed 002's traps (tested in ``tests/unit/rewards/test_math.py``):
+Verdicts on known traps (tested in ``tests/unit/rewards/test_math_rewards.py``):
 
 * *4.5 tickets* (a ticket costs 2, how many for 9? the label says 4.5): a response ``\\boxed{4}`` is
   scored **wrong** against the label ``4.5``, and ``\\boxed{4.5 \\text{ tickets}}`` **correct**. The
   reward judges against the label; a wrong label is the data cleaner's job
-  (``megatron_rl.data.difficulty`` flags it as ``suspected_wrong_label``).
+  (``megatron_rl.tools.difficulty`` flags it as ``suspected_wrong_label``).
 * *96 vs 96%*: label ``96``, response ``96\\%`` is **correct** (same number with a percent sign;
   math-verify agrees, and our own rule keeps it so across versions); ``0.96`` against ``96`` is
   **wrong** (another number), ``96\\%`` against ``0.96`` is **correct** (equal values).

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from megatron_rl.data import PromptLoader
+from megatron_rl.trainer.config import StageConfig
+from megatron_rl.trainer.context import Context
 from megatron_rl.trainer.evaluate import sync_weights
 from megatron_rl.trainer.state import RunDir, TrainerState, capture_rng, restore_rng
 
 log = logging.getLogger("megatron_rl")
 
 
-def start_point(ctx, stage_name: str) -> Path | None:
+def start_point(ctx: Context, stage_name: str) -> Path | None:
     """The checkpoint a stage starts from when it has none of its own (None: the base model)."""
     cfg, run = ctx.cfg, ctx.run
     names = [s.name for s in cfg.stages]
@@ -38,7 +41,7 @@ def start_point(ctx, stage_name: str) -> Path | None:
     return sft_final if RunDir.is_complete(sft_final) else None
 
 
-def _load(ctx, ckpt: Path, stage_name: str, resume: bool) -> TrainerState:
+def _load(ctx: Context, ckpt: Path, stage_name: str, resume: bool) -> TrainerState:
     ctx.policy.load_checkpoint(str(ckpt / "policy"))
     state = RunDir.read_state(ckpt)
     if not resume:  # a new stage: counters restart, the run-wide ones carry over
@@ -48,7 +51,7 @@ def _load(ctx, ckpt: Path, stage_name: str, resume: bool) -> TrainerState:
     return state
 
 
-def begin_stage(ctx, stage) -> tuple[TrainerState, PromptLoader | None]:
+def begin_stage(ctx: Context, stage: StageConfig) -> tuple[TrainerState, PromptLoader | None]:
     cfg, run = ctx.cfg, ctx.run
     ckpt = run.latest_step_checkpoint(stage.name)
     if ckpt is not None:
@@ -75,7 +78,8 @@ def begin_stage(ctx, stage) -> tuple[TrainerState, PromptLoader | None]:
     return state, loader
 
 
-def write_checkpoint(ctx, ckpt: Path, state: TrainerState, loader, also=None) -> None:
+def write_checkpoint(ctx: Context, ckpt: Path, state: TrainerState, loader: PromptLoader | None,
+                     also: Callable[[Path], None] | None = None) -> None:
     """Write a checkpoint; ``also(ckpt)`` adds more to it before it is marked complete."""
     if ctx.is_driver and ckpt.exists():  # a half-written or superseded checkpoint: start clean
         shutil.rmtree(ckpt)
@@ -92,7 +96,7 @@ def write_checkpoint(ctx, ckpt: Path, state: TrainerState, loader, also=None) ->
     ctx.barrier()
 
 
-def save_checkpoint(ctx, stage, state: TrainerState, loader) -> Path:
+def save_checkpoint(ctx: Context, stage: StageConfig, state: TrainerState, loader: PromptLoader | None) -> Path:
     ckpt = ctx.run.step_dir(stage.name, state.step)
     write_checkpoint(ctx, ckpt, state, loader)
     if ctx.is_driver:
@@ -101,7 +105,7 @@ def save_checkpoint(ctx, stage, state: TrainerState, loader) -> Path:
     return ckpt
 
 
-def export_hf(ctx, out_dir: Path) -> None:
+def export_hf(ctx: Context, out_dir: Path) -> None:
     """A Hugging Face checkpoint of the current policy (config and tokenizer from the base model)."""
     from safetensors.torch import save_file
 
@@ -117,7 +121,7 @@ def export_hf(ctx, out_dir: Path) -> None:
             shutil.copy2(f, out_dir / f.name)
 
 
-def finish_stage(ctx, stage, state: TrainerState, loader) -> Path:
+def finish_stage(ctx: Context, stage: StageConfig, state: TrainerState, loader: PromptLoader | None) -> Path:
     final = ctx.run.final_dir(stage.name)
     write_checkpoint(ctx, final, state, loader, also=lambda ckpt: export_hf(ctx, ckpt / "hf"))
     if ctx.is_driver:

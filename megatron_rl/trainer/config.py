@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from megatron_rl.config.base import ConfigBase
 
+DEFAULT_RUN_DIR = "runs/default"
+
 
 @dataclass(kw_only=True)
 class PlateauConfig(ConfigBase):
@@ -45,7 +47,8 @@ class StageConfig(ConfigBase):
 
 @dataclass(kw_only=True)
 class SFTConfig(ConfigBase):
-    """Cold start: SFT on reference solutions through the same objective with advantage 1 (seed 002)."""
+    """Cold start: SFT on reference solutions through the same objective with advantage 1 (SFT is
+    RL with every sample positive)."""
 
     enabled: bool = False
     # Upper bound on SFT optimizer steps.
@@ -95,7 +98,7 @@ class EvalConfig(ConfigBase):
 @dataclass(kw_only=True)
 class TrainerConfig(ConfigBase):
     # Run directory: metrics, checkpoints, per-stage results. Relative paths are relative to the cwd.
-    run_dir: str = "runs/default"
+    run_dir: str = DEFAULT_RUN_DIR
     # Global seed (model init of the tiny demo, data order, sampling seeds).
     seed: int = 1234
     # Save a resumable checkpoint every this many steps (0: only at stage ends and on signals).

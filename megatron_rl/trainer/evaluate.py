@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rl.data import PromptRecord
 from megatron_rl.rollout import SamplingSpec
+from megatron_rl.trainer.context import Context
 from megatron_rl.trainer.phases import reward_item
 
 
-def sync_weights(ctx, version: int) -> dict:
+def sync_weights(ctx: Context, version: int) -> dict:
     """Trainer weights -> engine (every rank drains the collective export iterator)."""
     m = ctx.weight_sync.sync(ctx.policy.export_hf_weights(), version)
     return m.as_dict() if hasattr(m, "as_dict") else dict(m)
 
 
-def evaluate(ctx, max_tokens: int, records=None, prefix: str = "eval") -> dict:
+def evaluate(ctx: Context, max_tokens: int, records: list[PromptRecord] | None = None,
+             prefix: str = "eval") -> dict:
     """Greedy accuracy on the held-out set (driver only; other ranks return {})."""
     if not ctx.is_driver:
         return {}

@@ -1,16 +1,27 @@
-"""The GRPO loop. One step reads top-down as the phases of DESIGN.md's step walk; each phase is a call."""
+"""The GRPO loop. One step reads top-down as its phases (docs/architecture.md's step walk); each
+phase is a call."""
 
 from __future__ import annotations
 
 import logging
 import time
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
+from megatron_rl.algo import AlgoConfig
+from megatron_rl.common.metrics import reduce_metrics
+from megatron_rl.models.batch import SequenceBatch
 from megatron_rl.tracking.console import StageProgress
 from megatron_rl.trainer import phases
 from megatron_rl.trainer.checkpointing import begin_stage, finish_stage, save_checkpoint
+from megatron_rl.trainer.config import StageConfig
+from megatron_rl.trainer.context import Context
 from megatron_rl.trainer.evaluate import evaluate, sync_weights
-from megatron_rl.trainer.state import RunDir
+from megatron_rl.trainer.state import RunDir, TrainerState
+
+if TYPE_CHECKING:
+    from megatron_rl.data import PromptLoader
+    from megatron_rl.models.policy import MegatronPolicy
 
 log = logging.getLogger("megatron_rl")
 
@@ -36,7 +47,7 @@ class StepTimer:
         return out
 
 
-def train_stage(ctx, stage) -> None:
+def train_stage(ctx: Context, stage: StageConfig) -> None:
     cfg = ctx.cfg
     state, loader = begin_stage(ctx, stage)
     with StageProgress(stage.name, stage.max_steps, state.step, enabled=ctx.is_driver and cfg.tracking.console) as bar:
@@ -48,7 +59,8 @@ def train_stage(ctx, stage) -> None:
     finish_stage(ctx, stage, state, loader)
 
 
-def run_steps(ctx, stage, state, loader, bar) -> None:
+def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: PromptLoader | None,
+              bar: StageProgress) -> None:
     cfg = ctx.cfg
     while state.step < stage.max_steps and not ctx.stop_agreed():
         timer = StepTimer()
@@ -57,19 +69,21 @@ def run_steps(ctx, stage, state, loader, bar) -> None:
         if ctx.is_driver:
             records = loader.next_batch()
             with timer("gen"):
-                ro = phases.generate(ctx.engine, records, cfg, stage.max_response_len,
+                ro = phases.generate(ctx.engine, records, cfg.rollout, stage.max_response_len,
                                      seed=phases.sampling_seed(cfg.trainer.seed, state.global_step))
             with timer("reward"):
                 metrics.update(phases.score(ctx.reward_mgr, ro))
             metrics.update(phases.rollout_metrics(ro, cfg.algo.correct_reward))
-            batch, m = phases.make_batch(ro, cfg)
+            batch, m = phases.make_batch(ro, cfg.algo)
             metrics.update(m)
         batch = ctx.broadcast(batch)
         if batch is not None:
             with timer("logprob"):
-                metrics.update(add_old_logprobs(ctx, batch))
+                metrics.update(add_old_logprobs(ctx.policy, batch, cfg.algo, cfg.rollout.temperature))
             with timer("update"):
-                metrics.update(update_policy(ctx, batch, stage))
+                metrics.update(update_policy(ctx.policy, batch, cfg.algo, cfg.rollout.temperature,
+                                             alpha=ctx.entropy_ctl.alpha,
+                                             max_response_len=stage.max_response_len))
             with timer("sync"):
                 state.weight_version += 1
                 metrics.update(sync_weights(ctx, state.weight_version))
@@ -94,45 +108,34 @@ def run_steps(ctx, stage, state, loader, bar) -> None:
             break
 
 
-def add_old_logprobs(ctx, batch) -> dict:
-    """Old-policy log-probs recomputed by the trainer at the sampling temperature (DESIGN step 4).
+def add_old_logprobs(policy: MegatronPolicy, batch: SequenceBatch, a: AlgoConfig, temperature: float) -> dict:
+    """Old-policy log-probs recomputed by the trainer at the sampling temperature (step 4).
 
     Strictly on-policy (one pass, one mini-batch, no mismatch correction) the old policy is the
     current one, so the recompute is skipped and the loss uses the training forward's log-probs.
     """
-    a = ctx.cfg.algo
     if a.n_sgd == 1 and a.mini_batches == 1 and a.mismatch.mode == "none":
         return {}
-    logp, _ = ctx.policy.compute_logprobs(batch, ctx.cfg.rollout.temperature, with_entropy=False)
+    logp, _ = policy.compute_logprobs(batch, temperature, with_entropy=False)
     batch.token_fields["old_logp"] = logp
     gap = [(lp - rl).abs().mean().item() for lp, rl in zip(logp, batch.token_fields["rollout_logp"])]
     return {"rollout/train_infer_logp_gap": sum(gap) / max(1, len(gap))}
 
 
-def update_policy(ctx, batch, stage) -> dict:
-    """``n_sgd`` passes over the batch, ``mini_batches`` optimizer steps per pass; metrics averaged."""
-    a = ctx.cfg.algo
+def update_policy(policy: MegatronPolicy, batch: SequenceBatch, a: AlgoConfig, temperature: float, *,
+                  alpha: float, max_response_len: int) -> dict:
+    """``n_sgd`` passes over the batch, ``mini_batches`` optimizer steps per pass; metrics averaged
+    over the steps (``_min`` / ``_max`` keys: the extremes)."""
     with_entropy = True  # entropy is always measured (metrics, entropy control); its grad only if used
-    totals: dict[str, float] = {}
-    n = 0
+    steps = []
     for _ in range(a.n_sgd):
         for mb in phases.split(batch, a.mini_batches):
-            loss_fn = phases.make_loss_fn(mb, ctx.cfg, alpha=ctx.entropy_ctl.alpha,
-                                          max_response_len=stage.max_response_len)
-            m = ctx.policy.train_step(mb, loss_fn, temperature=ctx.cfg.rollout.temperature,
-                                      with_entropy=with_entropy)
-            for k, v in m.items():
-                if k.endswith("_min"):
-                    totals[k] = min(totals.get(k, v), v)
-                elif k.endswith("_max"):
-                    totals[k] = max(totals.get(k, v), v)
-                else:
-                    totals[k] = totals.get(k, 0.0) + v
-            n += 1
-    return {k: v if k.endswith(("_min", "_max")) else v / n for k, v in totals.items()}
+            loss_fn = phases.make_loss_fn(mb, a, alpha=alpha, max_response_len=max_response_len)
+            steps.append(policy.train_step(mb, loss_fn, temperature=temperature, with_entropy=with_entropy))
+    return reduce_metrics(steps, mean=True)
 
 
-def plateaued(state, stage, accuracy) -> bool:
+def plateaued(state: TrainerState, stage: StageConfig, accuracy: float | None) -> bool:
     """The plateau rule: no improvement above ``min_delta`` for ``patience`` evaluations."""
     p = stage.plateau
     if accuracy is None:

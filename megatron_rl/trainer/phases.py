@@ -1,7 +1,8 @@
 """The phases of one GRPO step, each a function the loop in ``grpo.py`` calls in order.
 
 generate -> score -> make_batch (filter groups, advantages) -> old log-probs -> update -> sync.
-The math lives in ``megatron_rl.algo``; this module only moves data between the components.
+The math lives in ``megatron_rl.algo``; this module only moves data between the components. Each
+phase takes the components and the config section it uses (``rollout``, ``algo``), never the run.
 """
 
 from __future__ import annotations
@@ -10,17 +11,18 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rl.algo import compute_advantages, filter_groups, policy_objective
+from megatron_rl.algo import AlgoConfig, compute_advantages, filter_groups, policy_objective
+from megatron_rl.data import PromptRecord
 from megatron_rl.models.batch import MicroBatch, SequenceBatch
-from megatron_rl.rewards import RewardItem
-from megatron_rl.rollout import Completion, SamplingSpec
+from megatron_rl.rewards import RewardItem, RewardManager
+from megatron_rl.rollout import Completion, RolloutConfig, RolloutEngine, SamplingSpec
 
 
 @dataclass
 class Rollout:
     """``len(records)`` prompts with ``group_size`` completions each, flattened group by group."""
 
-    records: list
+    records: list[PromptRecord]
     completions: list[Completion]
     group_ids: torch.Tensor  # [B*n] index of the prompt each completion answers
     rewards: torch.Tensor | None = None
@@ -32,8 +34,9 @@ def sampling_seed(run_seed: int, global_step: int) -> int:
     return (run_seed * 1_000_003 + global_step * 7919) % (2**31 - 1)
 
 
-def generate(engine, records, cfg, max_response_len: int, seed: int) -> Rollout:
-    r = cfg.rollout
+def generate(engine: RolloutEngine, records: list[PromptRecord], r: RolloutConfig,
+             max_response_len: int, seed: int) -> Rollout:
+    """``r.group_size`` samples per prompt at the stage's max response length."""
     spec = SamplingSpec(n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                         max_tokens=max_response_len, seed=seed)
     groups = engine.generate([rec.prompt_ids for rec in records], spec)
@@ -43,7 +46,7 @@ def generate(engine, records, cfg, max_response_len: int, seed: int) -> Rollout:
                    truncated=torch.tensor([c.truncated for c in flat], dtype=torch.bool))
 
 
-def reward_item(record, response: str) -> RewardItem:
+def reward_item(record: PromptRecord, response: str) -> RewardItem:
     """What the reward manager needs to score ``response`` to ``record``'s prompt."""
     return RewardItem(response=response, ground_truth=record.ground_truth, style=record.style,
                       extra={"question": record.prompt_text, "data_source": record.data_source})
@@ -54,7 +57,7 @@ def response_tokens(batch: SequenceBatch) -> float:
     return float(sum(len(s) - p for s, p in zip(batch.sequences, batch.prompt_lens)))
 
 
-def score(reward_mgr, ro: Rollout) -> dict:
+def score(reward_mgr: RewardManager, ro: Rollout) -> dict:
     items = [reward_item(ro.records[g], c.text) for c, g in zip(ro.completions, ro.group_ids.tolist())]
     scores, metrics = reward_mgr.score(items)
     ro.rewards = torch.tensor(scores, dtype=torch.float32)
@@ -77,10 +80,10 @@ def rollout_metrics(ro: Rollout, correct_reward: float) -> dict:
     }
 
 
-def make_batch(ro: Rollout, cfg) -> tuple[SequenceBatch | None, dict]:
+def make_batch(ro: Rollout, algo: AlgoConfig) -> tuple[SequenceBatch | None, dict]:
     """Filter zero-variance groups, compute advantages, and lay the rollout out for the policy."""
-    adv, m_adv = compute_advantages(ro.rewards, ro.group_ids, ro.truncated, cfg.algo)
-    keep, m_filter = filter_groups(ro.rewards, ro.group_ids, cfg.algo)  # all kept when filtering is off
+    adv, m_adv = compute_advantages(ro.rewards, ro.group_ids, ro.truncated, algo)
+    keep, m_filter = filter_groups(ro.rewards, ro.group_ids, algo)  # all kept when filtering is off
     idx = keep.nonzero().flatten().tolist()
     metrics = {**m_adv, **m_filter, "batch/sequences": float(len(idx))}
     if not idx:
@@ -97,8 +100,9 @@ def make_batch(ro: Rollout, cfg) -> tuple[SequenceBatch | None, dict]:
     return batch, metrics
 
 
-def sft_batch(records, tokenizer) -> SequenceBatch:
-    """Prompts + reference solutions (+ EOS), advantage 1: SFT through the GRPO objective (seed 002)."""
+def sft_batch(records: list[PromptRecord], tokenizer) -> SequenceBatch:
+    """Prompts + reference solutions (+ EOS), advantage 1: SFT through the GRPO objective (SFT is RL
+    with every sample positive)."""
     seqs, plens = [], []
     for r in records:
         sol = r.extra.get("solution") if isinstance(r.extra, dict) else None
@@ -124,7 +128,7 @@ def split(batch: SequenceBatch, n: int) -> list[SequenceBatch]:
     return [b for b in out if b.sequences]
 
 
-def make_loss_fn(batch: SequenceBatch, cfg, *, alpha: float, max_response_len: int | None):
+def make_loss_fn(batch: SequenceBatch, algo: AlgoConfig, *, alpha: float, max_response_len: int | None):
     """The per-micro-batch objective with the mini-batch's global denominators bound in."""
     n_tokens = response_tokens(batch)
     n_seqs = float(len(batch.sequences))
@@ -134,7 +138,7 @@ def make_loss_fn(batch: SequenceBatch, cfg, *, alpha: float, max_response_len: i
         # Strictly on-policy without a recompute: the old policy IS the current one (ratio = 1).
         old = mb.logp.detach() if old is None else old
         return policy_objective(
-            mb.logp, old, mb.fields["advantages"], mb.mask, cfg.algo, entropy=mb.entropy, alpha=alpha,
+            mb.logp, old, mb.fields["advantages"], mb.mask, algo, entropy=mb.entropy, alpha=alpha,
             rollout_logp=mb.fields.get("rollout_logp"), token_denominator=n_tokens,
             seq_denominator=n_seqs, max_response_len=max_response_len)
 

@@ -5,16 +5,17 @@ from __future__ import annotations
 import json
 import logging
 
-from megatron_rl.trainer.context import REQUEUE_EXIT_CODE, build_context
+from megatron_rl.trainer.context import Context
 from megatron_rl.trainer.evaluate import evaluate
 from megatron_rl.trainer.grpo import train_stage
 from megatron_rl.trainer.sft import run_sft, run_sft_control
 from megatron_rl.trainer.state import RunDir
+from megatron_rl.trainer.stop import REQUEUE_EXIT_CODE
 
 log = logging.getLogger("megatron_rl")
 
 
-def _record_eval(ctx, key: str, max_tokens: int) -> dict:
+def _record_eval(ctx: Context, key: str, max_tokens: int) -> dict:
     m = evaluate(ctx, max_tokens)
     if ctx.is_driver and m:
         rs = ctx.run.read_run_state()
@@ -24,11 +25,12 @@ def _record_eval(ctx, key: str, max_tokens: int) -> dict:
     return m
 
 
-def run(cfg, only_stage: str | None = None) -> int:
-    """Run the configured stages (or just ``only_stage``). Returns the process exit code."""
-    stages = [cfg.stage(only_stage)] if only_stage else list(cfg.stages)
-    ctx = build_context(cfg)
+def run(ctx: Context, only_stage: str | None = None) -> int:
+    """Run the configured stages (or just ``only_stage``), then close the context's parts.
+    Returns the process exit code."""
+    cfg = ctx.cfg
     try:
+        stages = [cfg.stage(only_stage)] if only_stage else list(cfg.stages)
         first = stages[0].name == cfg.stages[0].name
         if first and cfg.sft.enabled:
             run_sft(ctx)
@@ -54,7 +56,7 @@ def run(cfg, only_stage: str | None = None) -> int:
         close(ctx)
 
 
-def control(ctx) -> None:
+def control(ctx: Context) -> None:
     """SFT for as long as GRPO took, from the cold start (see run_sft_control); once per run."""
     rs = ctx.run.read_run_state() if ctx.is_driver else {}
     if ctx.broadcast("control" in rs):
@@ -68,7 +70,7 @@ def control(ctx) -> None:
                  m["control/sft_steps"], m["control/seconds"], m["control/accuracy"])
 
 
-def write_summary(ctx) -> dict:
+def write_summary(ctx: Context) -> dict:
     from megatron_rl.tracking.report import plot_run
 
     rs = ctx.run.read_run_state()
@@ -101,7 +103,7 @@ def write_summary(ctx) -> dict:
     return summary
 
 
-def close(ctx) -> None:
+def close(ctx: Context) -> None:
     for obj in (ctx.weight_sync, ctx.reward_mgr, ctx.tracker, ctx.engine):
         if obj is not None:
             try:

@@ -1,26 +1,35 @@
-"""SFT cold start: the GRPO objective with advantage 1 on reference solutions (seed 002).
+"""SFT cold start: the GRPO objective with advantage 1 on reference solutions (SFT is RL with every
+sample positive).
 
-Stops on held-out accuracy, checked at a fine grain, not on a time budget (DESIGN.md: the jump from
-a few percent to most problems solved can happen within 15 s; a cold start that overshoots leaves RL
-nothing to learn). The stop check uses a validation slice of the *training* problems, so the
-evaluation set stays untouched until it measures the result.
+Stops on held-out accuracy, checked at a fine grain, not on a time budget (measured on the demo's
+task: the jump from a few percent to most problems solved can happen within 15 s; a cold start that
+overshoots leaves RL nothing to learn). The stop check uses a validation slice of the *training*
+problems, so the evaluation set stays untouched until it measures the result.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
 from megatron_rl.data import PromptLoader
 from megatron_rl.trainer import phases
 from megatron_rl.trainer.checkpointing import write_checkpoint
+from megatron_rl.trainer.context import Context
 from megatron_rl.trainer.evaluate import evaluate, sync_weights
 from megatron_rl.trainer.state import TrainerState
 
 log = logging.getLogger("megatron_rl")
 
+# The control experiment's weight versions start here: above every version the cold start and the
+# GRPO stages gave out, so an engine never sees a version twice for different weights.
+CONTROL_WEIGHT_VERSION_BASE = 10**6
+# A stop accuracy no run reaches: the control experiment stops on the clock only.
+UNREACHABLE_ACCURACY = 2.0
 
-def run_sft(ctx) -> None:
+
+def run_sft(ctx: Context) -> None:
     """The cold start (once per run): SFT until the validation slice reaches ``sft.stop_accuracy``."""
     s = ctx.cfg.sft
     rs = ctx.run.read_run_state() if ctx.is_driver else {}
@@ -39,26 +48,27 @@ def run_sft(ctx) -> None:
         log.info("sft: done after %d steps (%.0f s)", state.step, time.perf_counter() - t0)
 
 
-def run_sft_control(ctx, seconds: float, step_offset: int) -> dict:
-    """The control experiment DESIGN.md asks for: from the cold start's checkpoint, spend the same
+def run_sft_control(ctx: Context, seconds: float, step_offset: int) -> dict:
+    """The control experiment: from the cold start's checkpoint, spend the same
     wall time the GRPO stages took on *more SFT* (at the cold start's final learning rate), then
     measure greedy held-out accuracy. Set beside the GRPO gain, it tells how much RL itself added."""
     ctx.policy.load_checkpoint(str(ctx.run.final_dir("sft") / "policy"))
     lr = ctx.broadcast(ctx.run.read_run_state().get("sft_final_lr", ctx.cfg.sft.lr) if ctx.is_driver else None)
-    state, _ = sft_loop(ctx, "sft_control", lr=lr, stop_accuracy=2.0, max_seconds=seconds,
-                        max_steps=10**9, step_offset=step_offset, slow_down=False)
+    state, _ = sft_loop(ctx, "sft_control", lr=lr, stop_accuracy=UNREACHABLE_ACCURACY, max_seconds=seconds,
+                        max_steps=None, step_offset=step_offset, slow_down=False)
     if state is None:
         return {}
-    sync_weights(ctx, 10**6 + state.step)
+    sync_weights(ctx, CONTROL_WEIGHT_VERSION_BASE + state.step)
     m = evaluate(ctx, ctx.cfg.stages[-1].max_response_len)
     return {"control/accuracy": m.get("eval/accuracy"), "control/sft_steps": state.step,
             "control/seconds": seconds}
 
 
-def sft_loop(ctx, name: str, *, lr: float, stop_accuracy: float, max_seconds: float, max_steps: int,
-             step_offset: int, slow_down: bool):
-    """SFT steps until the validation slice reaches ``stop_accuracy``, the clock or the step cap.
-    Returns (state, final lr), or (None, lr) when a signal asked the run to stop."""
+def sft_loop(ctx: Context, name: str, *, lr: float, stop_accuracy: float, max_seconds: float,
+             max_steps: int | None, step_offset: int, slow_down: bool):
+    """SFT steps until the validation slice reaches ``stop_accuracy``, the clock or the step cap
+    (``max_steps=None``: no cap). Returns (state, final lr), or (None, lr) when a signal asked the
+    run to stop."""
     cfg, s = ctx.cfg, ctx.cfg.sft
     loader = val = None
     if ctx.is_driver:
@@ -67,11 +77,11 @@ def sft_loop(ctx, name: str, *, lr: float, stop_accuracy: float, max_seconds: fl
     ctx.policy.set_lr(lr)
     state = TrainerState(stage=name)
     t0 = time.perf_counter()
-    for step in range(1, max_steps + 1):
+    for step in itertools.count(1) if max_steps is None else range(1, max_steps + 1):
         if ctx.stop_agreed():  # a signal: leave; SFT restarts from its start when the job is requeued
             return None, lr
         batch = ctx.broadcast(phases.sft_batch(loader.next_batch(), ctx.tokenizer) if ctx.is_driver else None)
-        loss_fn = with_nll(phases.make_loss_fn(batch, cfg, alpha=0.0, max_response_len=None), batch)
+        loss_fn = with_nll(phases.make_loss_fn(batch, cfg.algo, alpha=0.0, max_response_len=None), batch)
         m = ctx.policy.train_step(batch, loss_fn, temperature=1.0, with_entropy=True)
         state.step = state.global_step = step
         done = bool(max_seconds) and ctx.broadcast(time.perf_counter() - t0 > max_seconds)

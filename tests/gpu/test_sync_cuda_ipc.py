@@ -23,7 +23,7 @@ def setup(tmp_path_factory):
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.models.tiny import TinySpec, write_tiny_model
+    from megatron_rl.demo import TinySpec, write_tiny_model
     from megatron_rl.rollout.config import RolloutConfig
     from megatron_rl.rollout.remote import RemoteEngine
 

@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from policy_testlib import make_batch, make_loss_fn  # noqa: E402
 
+from megatron_rl.compat import apply_cpu_shim  # noqa: E402
 from megatron_rl.models import OptimConfig, ParallelConfig, PolicyConfig, init_distributed  # noqa: E402
 from megatron_rl.models.policy import MegatronPolicy  # noqa: E402
 
@@ -119,12 +120,12 @@ def run_checkpoints(out, hf_dir, ckpt_root):
 def run_bad_layouts(out, hf_dir):
     """Impossible layouts: a ConfigError naming the values, and no model is ever built."""
     from megatron_rl.config.base import ConfigError
-    from megatron_rl.models import hf_bridge
+    from megatron_rl.models import gpt
     from megatron_rl.models.parallel import init_distributed as init
 
     built = []
-    original = hf_bridge.build_model_chunks
-    hf_bridge.build_model_chunks = lambda *a, **k: built.append(a) or original(*a, **k)
+    original = gpt.build_model_chunks
+    gpt.build_model_chunks = lambda *a, **k: built.append(a) or original(*a, **k)
     errors = {}
     try:
         for name, layout in {"tp3": dict(tp=3), "tp4_kv2": dict(tp=4), "pp2_vpp4": dict(pp=2, vpp=4),
@@ -141,7 +142,7 @@ def run_bad_layouts(out, hf_dir):
             pass
         good.check_current()
     finally:
-        hf_bridge.build_model_chunks = original
+        gpt.build_model_chunks = original
     _save(out, "bad_layouts", {"errors": errors, "built": len(built)})
 
 
@@ -178,4 +179,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    apply_cpu_shim()  # the entry point's one explicit call (no-op with CUDA)
     main()

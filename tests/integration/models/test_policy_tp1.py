@@ -20,8 +20,10 @@ TEMPERATURE = 0.7
 
 @pytest.fixture(scope="module")
 def groups():
+    from megatron_rl.compat import apply_cpu_shim
     from megatron_rl.models import ParallelConfig, destroy_distributed, init_distributed
 
+    apply_cpu_shim()  # the entry point's one explicit call (no-op with CUDA)
     g = init_distributed(ParallelConfig())
     yield g
     destroy_distributed()

@@ -9,7 +9,7 @@ import torch
 pytestmark = pytest.mark.slow
 vllm = pytest.importorskip("vllm")
 
-from megatron_rl.models.tiny import TinySpec, write_tiny_model  # noqa: E402
+from megatron_rl.demo import TinySpec, write_tiny_model  # noqa: E402
 from megatron_rl.ops import fused_logprob_entropy, processed_logprobs  # noqa: E402
 
 # (temperature, top_k, top_p): vLLM's "off" values are top_k=0 and top_p=1.0

@@ -18,6 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 from policy_testlib import make_batch, make_loss_fn  # noqa: E402
 
+from megatron_rl.compat import apply_cpu_shim  # noqa: E402
 from megatron_rl.models import OptimConfig, ParallelConfig, PolicyConfig, init_distributed  # noqa: E402
 from megatron_rl.models.policy import MegatronPolicy  # noqa: E402
 from megatron_rl.rollout.base import SamplingSpec  # noqa: E402
@@ -37,6 +38,7 @@ def outputs(engine):
 
 def main(hf_dir: str, out_dir: str) -> None:
     par = ParallelConfig(tensor_parallel=2, pipeline_parallel=2, timeout_s=300)
+    apply_cpu_shim()  # the entry point's one explicit call (no-op with CUDA)
     groups = init_distributed(par)
     rank = dist.get_rank()
     engines = []

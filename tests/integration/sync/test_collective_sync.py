@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 
 from hf_ref import hf_greedy, hf_logprobs  # noqa: E402
 
-from megatron_rl.models.tiny import TinySpec, write_tiny_model  # noqa: E402
+from megatron_rl.demo import TinySpec, write_tiny_model  # noqa: E402
 from megatron_rl.rollout.base import SamplingSpec  # noqa: E402
 from megatron_rl.rollout.config import RolloutConfig  # noqa: E402
 from megatron_rl.rollout.remote import RemoteEngine  # noqa: E402

@@ -17,7 +17,7 @@ pytest.importorskip("megatron.core")
 
 from hf_ref import hf_greedy, hf_logprobs  # noqa: E402
 
-from megatron_rl.models.tiny import TinySpec, write_tiny_model  # noqa: E402
+from megatron_rl.demo import TinySpec, write_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("megatron_sync_worker.py")

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from megatron_rl.algo import (ADV_ESTIMATORS, POLICY_LOSSES, AlgoConfig, Registry,
-                              compute_advantages, register_adv_estimator, register_policy_loss)
+from megatron_rl.algo import (ADV_ESTIMATORS, POLICY_LOSSES, AlgoConfig, compute_advantages,
+                              register_adv_estimator, register_policy_loss)
+from megatron_rl.common import Registry
 
 
 @register_adv_estimator("test_raw_reward")

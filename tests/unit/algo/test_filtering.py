@@ -1,4 +1,4 @@
-"""Zero-variance group filtering, including fractional rewards (seed 002), and its counts."""
+"""Zero-variance group filtering, including fractional rewards, and its counts."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """policy_objective against a float64 per-token loop reference (value and gradient), hand-computed
-cases, the SFT identity of seed 002, split invariance over micro-batches / DP ranks, bad arguments."""
+cases, the SFT identity (advantage 1 on every sample), split invariance over micro-batches / DP ranks, bad arguments."""
 
 import math
 

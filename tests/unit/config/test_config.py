@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config import ConfigError
+from megatron_rl.trainer.schema import load_run_config as load_config
 
 REPO = Path(__file__).resolve().parents[3]
 MIN = """
@@ -72,13 +73,13 @@ def test_docs_config_reference_is_current():
     import contextlib
     import io
 
-    from megatron_rl.config import reference
+    from megatron_rl.tools import config_reference
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        reference.main()
+        config_reference.main()
     assert (REPO / "docs" / "config.md").read_text() == buf.getvalue(), \
-        "docs/config.md is stale: run `python -m megatron_rl.config.reference > docs/config.md`"
+        f"docs/config.md is stale: run `{config_reference.COMMAND} > docs/config.md`"
 
 
 def test_duplicate_yaml_key_is_an_error(tmp_path):

@@ -14,7 +14,7 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% en
 
 @pytest.fixture(scope="module")
 def tok():
-    from megatron_rl.models.tiny import build_bpe_tokenizer
+    from megatron_rl.demo import build_bpe_tokenizer
 
     t = build_bpe_tokenizer()
     t.chat_template = TEMPLATE
@@ -116,7 +116,7 @@ def test_string_prompts_without_template(tmp_path, tok):
 
 
 def test_template_required_but_missing(tmp_path):
-    from megatron_rl.models.tiny import build_bpe_tokenizer
+    from megatron_rl.demo import build_bpe_tokenizer
 
     t = build_bpe_tokenizer()
     t.chat_template = None

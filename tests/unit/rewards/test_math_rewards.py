@@ -1,4 +1,4 @@
-"""Math reward verdicts, including seed 002's traps (verdicts documented in rewards/math.py)."""
+"""Math reward verdicts, including known traps (verdicts documented in rewards/math.py)."""
 
 from __future__ import annotations
 

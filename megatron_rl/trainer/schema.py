@@ -1,19 +1,29 @@
-"""The whole run's configuration: one typed section per component, and the cross-component checks."""
+"""The run's schema: one typed section per component, the cross-component checks, and loading.
+
+It sits above every component (it imports each one's config; none imports it), so it lives with
+the trainer, the one package that takes the whole run config.
+
+    cfg = load_run_config("configs/demo_cpu.yaml", ["rollout.temperature=0.8", "trainer.run_dir=runs/x"])
+
+The string ``{run_dir}`` in any value is replaced by ``trainer.run_dir`` after merging.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from megatron_rl.algo.config import AlgoConfig
 from megatron_rl.config.base import ConfigBase, ConfigError
+from megatron_rl.config.loader import load, substitute
 from megatron_rl.data.config import DataConfig
+from megatron_rl.demo.config import SyntheticConfig, TinySpec
 from megatron_rl.models.config import PolicyConfig
-from megatron_rl.models.tiny import TinySpec
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.sync.config import SyncConfig
 from megatron_rl.tracking.config import TrackingConfig
-from megatron_rl.trainer.config import EvalConfig, SFTConfig, StageConfig, TrainerConfig
+from megatron_rl.trainer.config import DEFAULT_RUN_DIR, EvalConfig, SFTConfig, StageConfig, TrainerConfig
 
 
 @dataclass(kw_only=True)
@@ -27,26 +37,6 @@ class ModelConfig(ConfigBase):
         super().validate()
         if not self.path and self.tiny is None:
             self.fail("path", "set model.path to a Hugging Face checkpoint, or model.tiny to build one")
-
-
-@dataclass(kw_only=True)
-class SyntheticConfig(ConfigBase):
-    """Generate the built-in addition task's data (the demo) into RUN_DIR/data."""
-
-    # Write RUN_DIR/data/{train,eval}.jsonl (verl format) if they do not exist yet.
-    enabled: bool = False
-    # Training problems (distinct).
-    train_size: int = 20000
-    # Held-out problems, drawn from a disjoint part of the problem space (never trained on).
-    eval_size: int = 500
-    # Operand sizes in digits.
-    min_digits: int = 2
-    max_digits: int = 3
-
-    def validate(self) -> None:
-        super().validate()
-        self.check_range("train_size", lo=1)
-        self.check_range("eval_size", lo=1)
 
 
 @dataclass(kw_only=True)
@@ -92,3 +82,14 @@ def validate_cross(cfg: RunConfig) -> None:
     if cfg.rollout.rollout_batch_size % n_mb:
         raise ConfigError("algo.mini_batches", f"must divide rollout.rollout_batch_size="
                                                f"{cfg.rollout.rollout_batch_size}, got {n_mb}")
+
+
+def _substitute_run_dir(tree: dict) -> dict:
+    run_dir = str((tree.get("trainer") or {}).get("run_dir", DEFAULT_RUN_DIR))
+    return substitute(tree, "{run_dir}", run_dir)
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                    validate: bool = True) -> RunConfig:
+    """The run config from ``path`` (YAML, ``defaults:`` inheritance) and ``a.b=value`` overrides."""
+    return load(RunConfig, path, overrides, validate=validate, prepare=_substitute_run_dir)

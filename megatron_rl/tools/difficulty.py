@@ -1,12 +1,12 @@
-"""Data cleaning: tell hard questions from wrong labels (seed 002), Skywork-style offline filtering.
+"""Data cleaning: tell hard questions from wrong labels, Skywork-style offline filtering.
 
 Sample ``k`` responses per prompt, score them against the label, and label the prompt:
 
 * ``solved``: k/k right;
 * ``suspected_wrong_label``: the samples mostly agree on one answer that differs from the ground
   truth (at least ``agree_frac`` of all k samples, and more often than the label is matched). The
-  seed's signature of a wrong label: mostly "wrong" with the same confident answer, rarely "right"
-  by coincidence. Checked before ``unsolved`` so a 0/k prompt with a consensus is flagged;
+  signature of a wrong label: mostly "wrong" with the same confident answer, rarely "right" by
+  coincidence. Checked before ``unsolved`` so a 0/k prompt with a consensus is flagged;
 * ``unsolved``: 0/k right, answers scattered;
 * ``hard``: rarely right (pass rate <= ``hard_max_pass_rate``), wrong answers scattered;
 * ``mixed``: everything else (a useful training prompt).
@@ -123,8 +123,8 @@ def label_prompt(correct: list[bool], answers: list[str | None], *, hard_max_pas
 def annotate(engine, records: list[PromptRecord], reward_mgr, cfg: DifficultyConfig
              ) -> list[DifficultyLabel]:
     """Sample ``cfg.k`` responses per record, score them, label each record."""
-    from megatron_rl.rewards import RewardItem
     from megatron_rl.rollout.base import SamplingSpec
+    from megatron_rl.trainer.phases import reward_item
 
     spec = SamplingSpec(n=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                         max_tokens=cfg.max_tokens, seed=cfg.seed)
@@ -132,9 +132,7 @@ def annotate(engine, records: list[PromptRecord], reward_mgr, cfg: DifficultyCon
     for start in range(0, len(records), cfg.batch_prompts):
         chunk = records[start: start + cfg.batch_prompts]
         groups = engine.generate([r.prompt_ids for r in chunk], spec)
-        items = [RewardItem(c.text, r.ground_truth, r.style,
-                            {"question": r.prompt_text, "data_source": r.data_source})
-                 for r, group in zip(chunk, groups) for c in group]
+        items = [reward_item(r, c.text) for r, group in zip(chunk, groups) for c in group]
         scores, _, details = reward_mgr.score(items, return_details=True)
         for j, group in enumerate(groups):
             lo, hi = j * cfg.k, (j + 1) * cfg.k
@@ -242,7 +240,7 @@ def cli_main(argv: list[str]) -> int:
     Keys are those of :class:`DifficultyConfig` (``k=16``, ``reward.style_map={rule: math}``,
     ``rollout.kv_cache_bytes=...``); a YAML ``--config`` holds the same tree.
     """
-    from megatron_rl.config.loader import apply_override, load_yaml_tree
+    from megatron_rl.config.loader import load
 
     p = argparse.ArgumentParser(prog="megatron-rl data difficulty",
                                 description="label prompts solved / mixed / hard / unsolved / "
@@ -258,10 +256,7 @@ def cli_main(argv: list[str]) -> int:
     if argv[:1] == ["--"]:  # `megatron-rl data difficulty -- --data ...` passes the separator on
         argv = argv[1:]
     args = p.parse_args(argv)
-    tree = load_yaml_tree(args.config) if args.config else {}
-    for item in args.overrides:
-        tree = apply_override(tree, item)
-    cfg = DifficultyConfig.from_dict(tree, source=args.config)
+    cfg = load(DifficultyConfig, args.config, args.overrides, validate=False)  # run() validates
     summary = run(args.data, args.model, args.out, args.summary, cfg)
     print(json.dumps({"labels": summary["labels"], "pass_rate_mean": summary["pass_rate_mean"]}))
     return 0

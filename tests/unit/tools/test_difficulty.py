@@ -8,7 +8,7 @@ import random
 import pytest
 
 from megatron_rl.data import DataConfig, load_prompts
-from megatron_rl.data.difficulty import DifficultyConfig, canonical_answer, label_prompt, run
+from megatron_rl.tools.difficulty import DifficultyConfig, canonical_answer, label_prompt, run
 
 
 def lab(correct, answers, **kw):
@@ -80,7 +80,7 @@ def _scripted_engine():
 
     class Scripted:
         def generate(self, prompt_ids, sampling):
-            from megatron_rl.models.tiny import build_bpe_tokenizer
+            from megatron_rl.demo import build_bpe_tokenizer
 
             tok = build_bpe_tokenizer()
             out = []
@@ -99,7 +99,7 @@ def _scripted_engine():
 
 
 def test_run_writes_annotated_dataset_and_summary(tmp_path):
-    from megatron_rl.models.tiny import build_bpe_tokenizer
+    from megatron_rl.demo import build_bpe_tokenizer
 
     model = tmp_path / "model"
     build_bpe_tokenizer().save_pretrained(model)
@@ -134,7 +134,7 @@ def test_run_writes_annotated_dataset_and_summary(tmp_path):
 
     pd.DataFrame(rows[1:]).to_parquet(tmp_path / "toy.parquet")
     recs, _ = load_prompts(tmp_path / "toy.parquet", tok)
-    from megatron_rl.data.difficulty import label_prompt, write_annotated
+    from megatron_rl.tools.difficulty import label_prompt, write_annotated
 
     labels = [label_prompt([True, False], ["1", "2"]) for _ in recs[:2]]  # row 3 left unlabelled
     write_annotated(tmp_path / "toy.parquet", tmp_path / "ann.parquet", recs[:2], labels)

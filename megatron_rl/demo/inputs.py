@@ -1,0 +1,39 @@
+"""The demo's inputs in the run directory: the tiny model and the synthetic task's data.
+
+Called once by the entry point on global rank 0, before the trainer is built; idempotent (what
+exists is kept, so a resumed run trains on the same model and problems).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from megatron_rl.demo.config import SyntheticConfig, TinySpec
+from megatron_rl.demo.synthetic import sample_problems, write_dataset
+from megatron_rl.demo.tiny import write_tiny_model
+
+# Where the inputs go, under the run directory.
+TINY_MODEL_DIR = "base_model"
+DATA_DIR = "data"
+
+
+def tiny_model_dir(run_root: str | Path) -> Path:
+    return Path(run_root) / TINY_MODEL_DIR
+
+
+def prepare_inputs(run_root: str | Path, *, tiny: TinySpec | None, synthetic: SyntheticConfig,
+                   seed: int) -> None:
+    """Write the tiny model (when ``tiny`` is given) and the synthetic data (when enabled).
+
+    ``seed`` (the run's ``trainer.seed``) seeds the model when ``tiny.seed`` is null, and the problems.
+    """
+    out = tiny_model_dir(run_root)
+    if tiny is not None and not (out / "config.json").exists():
+        write_tiny_model(out, tiny if tiny.seed is not None else dataclasses.replace(tiny, seed=seed))
+    if synthetic.enabled:
+        data_dir = Path(run_root) / DATA_DIR
+        if not (data_dir / "eval.jsonl").exists():
+            kw = dict(min_digits=synthetic.min_digits, max_digits=synthetic.max_digits)
+            write_dataset(data_dir / "train.jsonl", sample_problems(synthetic.train_size, seed, "train", **kw), "train")
+            write_dataset(data_dir / "eval.jsonl", sample_problems(synthetic.eval_size, seed, "eval", **kw), "eval")

@@ -1,0 +1,114 @@
+"""A Hugging Face ``config.json`` read into the architecture we build (Llama, Qwen2, Qwen3).
+
+:func:`read_hf_config` refuses what we cannot map: rope scaling, sliding windows, biases Megatron's
+local layers lack, non-SiLU MLPs. Megatron-Bridge needs Python >= 3.12, so on Python 3.11 the
+HF <-> Megatron mapping (this file, ``gpt.py``, ``hf_rules.py``, ``hf_load.py``, ``hf_export.py``) is ours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+from megatron_rl.models.parallel import ModelShape
+
+SUPPORTED = ("llama", "qwen2", "qwen3")
+# Megatron's vocabulary is padded to a multiple of lcm(VOCAB_MULTIPLE, TP) (see HFArch.padded_vocab).
+VOCAB_MULTIPLE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class HFArch:
+    """What we need from a HF ``config.json``."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_eps: float
+    tie_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    max_position_embeddings: int
+
+    @property
+    def shape(self) -> ModelShape:
+        return ModelShape(num_layers=self.num_layers, num_heads=self.num_heads,
+                          num_kv_heads=self.num_kv_heads, vocab_size=self.vocab_size)
+
+    def padded_vocab(self, tp: int) -> int:
+        """Vocabulary rows in Megatron: the HF vocabulary rounded up to a multiple of lcm(128, TP).
+
+        The same for every TP that divides 128, so checkpoints move between those layouts; no
+        padding at all for vocabularies that are multiples of 128 (Qwen2.5, Qwen3, Llama 3).
+        """
+        multiple = math.lcm(VOCAB_MULTIPLE, tp)
+        return -(-self.vocab_size // multiple) * multiple
+
+
+def _rope_theta(cfg: dict, path: Path) -> float:
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    for where, spec in (("rope_parameters", params), ("rope_scaling", scaling)):
+        kind = spec.get("rope_type", spec.get("type", "default"))
+        if kind not in ("default", None):
+            raise ValueError(f"{path}: {where}.rope_type={kind!r} is not supported (only default "
+                             f"RoPE)")
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    if theta is None:
+        raise ValueError(f"{path}: no rope_theta (looked in rope_parameters and the top level)")
+    return float(theta)
+
+
+def read_hf_config(hf_dir: str | Path) -> HFArch:
+    """Parse ``hf_dir/config.json``; raise ValueError naming the file and field on anything
+    unsupported."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no HF config at {path}")
+    cfg = json.loads(path.read_text())
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED:
+        raise ValueError(f"{path}: model_type={model_type!r} is not supported; supported: "
+                         f"{list(SUPPORTED)}")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{path}: hidden_act={act!r} is not supported (only silu / SwiGLU)")
+    if cfg.get("use_sliding_window"):
+        raise ValueError(f"{path}: use_sliding_window=true is not supported")
+    if model_type == "llama":
+        for key in ("attention_bias", "mlp_bias"):
+            if cfg.get(key):
+                raise ValueError(f"{path}: {key}=true is not supported for llama")
+        qkv_bias = False
+    elif model_type == "qwen2":
+        qkv_bias = True
+    else:
+        if cfg.get("attention_bias"):
+            raise ValueError(f"{path}: attention_bias=true is not supported for qwen3")
+        qkv_bias = False
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    return HFArch(
+        model_type=model_type,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rope_theta=_rope_theta(cfg, path),
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        qk_norm=model_type == "qwen3",
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+    )

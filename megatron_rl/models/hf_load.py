@@ -1,0 +1,73 @@
+"""Load a HF safetensors checkpoint into this rank's Megatron model chunks, for any TP x PP layout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megatron_rl.models.hf_config import HFArch
+from megatron_rl.models.hf_rules import chunk_rules, expected_hf_names, shard
+from megatron_rl.models.parallel import ParallelGroups
+
+
+class HFCheckpoint:
+    """Read tensors by name from a HF safetensors checkpoint (single file or sharded with index)."""
+
+    def __init__(self, hf_dir: str | Path):
+        self.dir = Path(hf_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: self.dir / f for name, f in weight_map.items()}
+        else:
+            single = self.dir / "model.safetensors"
+            if not single.is_file():
+                raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in "
+                                        f"{self.dir}")
+            from safetensors import safe_open
+
+            with safe_open(single, "pt") as f:
+                self.files = {name: single for name in f.keys()}
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self.files:
+            raise KeyError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
+        with safe_open(self.files[name], "pt") as f:
+            return f.get_tensor(name)
+
+
+@torch.no_grad()
+def load_hf_weights(arch: HFArch, chunks: list, hf_dir: str | Path, groups: ParallelGroups) -> None:
+    """Copy the HF checkpoint into this rank's (unwrapped) model chunks.
+
+    Raises if the checkpoint lacks a tensor the model needs or holds one we do not know how to map.
+    """
+    ckpt = HFCheckpoint(hf_dir)
+    expected = expected_hf_names(arch)
+    unknown = sorted(n for n in ckpt.names() - expected if not n.endswith("rotary_emb.inv_freq"))
+    if arch.tie_embeddings:
+        unknown = [n for n in unknown if n != "lm_head.weight"]  # some tied checkpoints keep it
+    if unknown:
+        raise ValueError(f"{hf_dir}: tensors with no Megatron counterpart for {arch.model_type}: "
+                         f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+    for chunk in chunks:
+        rules = chunk_rules(arch, chunk)
+        params = dict(chunk.named_parameters())
+        unmapped = sorted(set(params) - set(rules))
+        if unmapped:
+            raise RuntimeError(f"Megatron parameters with no HF mapping: {unmapped[:5]}")
+        for name, rule in rules.items():
+            full = [ckpt.get(n) for n in rule.hf]
+            piece = shard(arch, rule, full, groups.tp, groups.tp_rank)
+            param = params[name]
+            if tuple(piece.shape) != tuple(param.shape):
+                raise ValueError(f"{hf_dir}: {rule.hf} give shape {tuple(piece.shape)} for Megatron "
+                                 f"parameter {name} of shape {tuple(param.shape)}")
+            param.copy_(piece.to(param.dtype))

@@ -1,0 +1,150 @@
+"""The name and layout rules between HF tensors and Megatron parameters, and the (un)sharding.
+
+Fused QKV laid out per query group, gate/up fused into ``linear_fc1``, the vocabulary padded with
+zero rows to a multiple of lcm(128, TP) (the policy keeps the padding out of the softmax).
+:func:`shard` gives one TP rank's piece of a Megatron parameter, :func:`unshard` inverts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_rl.models.hf_config import HFArch
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One Megatron parameter and the HF tensor(s) it is made of.
+
+    kind: "rep" (replicated), "col" (split on dim 0), "row" (split on dim 1), "vocab" (dim 0, padded
+    to a multiple of TP), "qkv" (q, k, v interleaved per query group, split by groups), "fc1" (gate
+    and up, each split on dim 0, then concatenated per rank).
+    """
+
+    hf: tuple[str, ...]
+    kind: str
+
+
+def layer_rules(arch: HFArch, i: int) -> dict[str, Rule]:
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    rules = {
+        "input_layernorm.weight": Rule((p + "input_layernorm.weight",), "rep"),
+        "self_attention.linear_qkv.weight": Rule(
+            (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), "qkv"),
+        "self_attention.linear_proj.weight": Rule((a + "o_proj.weight",), "row"),
+        "pre_mlp_layernorm.weight": Rule((p + "post_attention_layernorm.weight",), "rep"),
+        "mlp.linear_fc1.weight": Rule(
+            (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "fc1"),
+        "mlp.linear_fc2.weight": Rule((p + "mlp.down_proj.weight",), "row"),
+    }
+    if arch.qkv_bias:
+        rules["self_attention.linear_qkv.bias"] = Rule(
+            (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), "qkv")
+    if arch.qk_norm:
+        rules["self_attention.q_layernorm.weight"] = Rule((a + "q_norm.weight",), "rep")
+        rules["self_attention.k_layernorm.weight"] = Rule((a + "k_norm.weight",), "rep")
+    return rules
+
+
+EMBED = Rule(("model.embed_tokens.weight",), "vocab")
+FINAL_NORM = Rule(("model.norm.weight",), "rep")
+LM_HEAD = Rule(("lm_head.weight",), "vocab")
+
+
+def chunk_rules(arch: HFArch, chunk) -> dict[str, Rule]:
+    """Megatron parameter name (in ``chunk``) -> rule, for every parameter of the chunk."""
+    rules: dict[str, Rule] = {}
+    if chunk.pre_process:
+        rules["embedding.word_embeddings.weight"] = EMBED
+    for local, layer in enumerate(chunk.decoder.layers):
+        for suffix, rule in layer_rules(arch, layer.layer_number - 1).items():
+            rules[f"decoder.layers.{local}.{suffix}"] = rule
+    if chunk.post_process:
+        rules["decoder.final_layernorm.weight"] = FINAL_NORM
+        if chunk.output_layer.weight is not None:
+            # Tied embeddings at PP > 1: the last stage keeps a synchronised copy of the embedding.
+            rules["output_layer.weight"] = EMBED if arch.tie_embeddings else LM_HEAD
+    return rules
+
+
+def qkv_per_group(arch: HFArch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[q; k; v] (HF) -> [groups, (q_per_group + 2) * head_dim, ...] (Megatron's fused layout)."""
+    g, d = arch.num_kv_heads, arch.head_dim
+    rest = q.shape[1:]
+    qg = q.reshape(g, (arch.num_heads // g) * d, *rest)
+    return torch.cat([qg, k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1)
+
+
+def shard(arch: HFArch, rule: Rule, full: list[torch.Tensor], tp: int, rank: int) -> torch.Tensor:
+    """This TP rank's shard of the Megatron parameter built from the HF tensors ``full``."""
+    if rule.kind == "rep":
+        return full[0]
+    if rule.kind == "col":
+        return full[0].chunk(tp, dim=0)[rank]
+    if rule.kind == "row":
+        return full[0].chunk(tp, dim=1)[rank]
+    if rule.kind == "vocab":
+        w = full[0]
+        pad = arch.padded_vocab(tp) - w.shape[0]
+        if pad:
+            w = torch.cat([w, w.new_zeros(pad, *w.shape[1:])])
+        return w.chunk(tp, dim=0)[rank]
+    if rule.kind == "qkv":
+        fused = qkv_per_group(arch, *full)
+        return fused.chunk(tp, dim=0)[rank].reshape(-1, *fused.shape[2:])
+    if rule.kind == "fc1":
+        gate, up = full
+        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]])
+    raise AssertionError(rule.kind)
+
+
+def unshard(arch: HFArch, rule: Rule, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Inverse of :func:`shard`: the HF tensors from all TP ranks' shards (in rank order)."""
+    if rule.kind == "rep":
+        return [shards[0]]
+    if rule.kind == "col":
+        return [torch.cat(shards, dim=0)]
+    if rule.kind == "row":
+        return [torch.cat(shards, dim=1)]
+    if rule.kind == "vocab":
+        return [torch.cat(shards, dim=0)[: arch.vocab_size]]
+    if rule.kind == "qkv":
+        g, d, qpg = arch.num_kv_heads, arch.head_dim, arch.num_heads // arch.num_kv_heads
+        rest = shards[0].shape[1:]
+        fused = torch.cat(shards, dim=0).reshape(g, (qpg + 2) * d, *rest)
+        q, k, v = fused.split([qpg * d, d, d], dim=1)
+        return [q.reshape(g * qpg * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest)]
+    if rule.kind == "fc1":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    raise AssertionError(rule.kind)
+
+
+def expected_hf_names(arch: HFArch) -> set[str]:
+    names = set(EMBED.hf) | set(FINAL_NORM.hf)
+    if not arch.tie_embeddings:
+        names |= set(LM_HEAD.hf)
+    for i in range(arch.num_layers):
+        for rule in layer_rules(arch, i).values():
+            names |= set(rule.hf)
+    return names
+
+
+def hf_shape(arch: HFArch, name: str) -> tuple[int, ...]:
+    """Shape of HF tensor ``name``."""
+    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    leaf = name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1]
+    shapes = {
+        "embed_tokens.weight": (arch.vocab_size, h), "lm_head.weight": (arch.vocab_size, h),
+        "norm.weight": (h,), "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "q_proj.weight": (arch.num_heads * d, h), "k_proj.weight": (arch.num_kv_heads * d, h),
+        "v_proj.weight": (arch.num_kv_heads * d, h), "o_proj.weight": (h, arch.num_heads * d),
+        "q_proj.bias": (arch.num_heads * d,), "k_proj.bias": (arch.num_kv_heads * d,),
+        "v_proj.bias": (arch.num_kv_heads * d,), "q_norm.weight": (d,), "k_norm.weight": (d,),
+        "gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f),
+    }
+    return shapes[leaf]
