@@ -15,8 +15,10 @@ T = TypeVar("T")
 class Registry(Mapping[str, T], Generic[T]):
     """A read-only mapping of names to entries (functions, or records that hold one)."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, hint: str = ""):
         self.kind = kind
+        # Appended to the unknown-name error (how to add an entry).
+        self.hint = hint
         self._entries: dict[str, T] = {}
 
     def add(self, name: str, entry: T) -> T:
@@ -40,7 +42,8 @@ class Registry(Mapping[str, T], Generic[T]):
         self._entries.pop(name, None)
 
     def unknown_message(self, name: str) -> str:
-        return f"unknown {self.kind} {name!r}; valid names are {sorted(self._entries)}"
+        msg = f"unknown {self.kind} {name!r}; valid names are {sorted(self._entries)}"
+        return f"{msg}; {self.hint}" if self.hint else msg
 
     def __getitem__(self, name: str) -> T:
         try:

@@ -53,7 +53,8 @@ class RewardStyle:
     judged: bool = False
 
 
-REWARD_STYLES: Registry[RewardStyle] = Registry("reward style")
+REWARD_STYLES: Registry[RewardStyle] = Registry(
+    "reward style", hint="a new style is registered with @register_reward")
 
 
 def register_reward(name: str, *, pooled: bool = False, timeout_section: str = "math",

@@ -83,7 +83,7 @@ def write_checkpoint(ctx: Context, ckpt: Path, state: TrainerState, loader: Prom
     """Write a checkpoint; ``also(ckpt)`` adds more to it before it is marked complete."""
     if ctx.is_driver and ckpt.exists():  # a half-written or superseded checkpoint: start clean
         shutil.rmtree(ckpt)
-    ctx.barrier()
+    ctx.groups.barrier()
     ckpt.mkdir(parents=True, exist_ok=True)
     ctx.policy.save_checkpoint(str(ckpt / "policy"))
     if also is not None:
@@ -93,7 +93,7 @@ def write_checkpoint(ctx: Context, ckpt: Path, state: TrainerState, loader: Prom
         state.entropy_controller = ctx.entropy_ctl.state_dict()
         state.rng = capture_rng()
         RunDir.write_state(ckpt, state)  # last: marks the checkpoint complete
-    ctx.barrier()
+    ctx.groups.barrier()
 
 
 def save_checkpoint(ctx: Context, stage: StageConfig, state: TrainerState, loader: PromptLoader | None) -> Path:

@@ -64,9 +64,6 @@ class Context:
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
-    def barrier(self) -> None:
-        self.groups.barrier()
-
     def stop_agreed(self) -> bool:
         """Any rank's stop request stops every rank (so all of them write the same checkpoint)."""
         if self.groups.world_size == 1:
