@@ -10,7 +10,8 @@ from megatron_rl.sync.config import SyncConfig
 
 
 class InProcessWeightSync(WeightSync):
-    """Calls ``engine.update_weights(named_tensors, version)`` on every engine.
+    """Calls ``engine.update_weights(named_tensors, version)`` on every engine (vLLM's in-place
+    layerwise reload, then a prefix-cache reset: :class:`~megatron_rl.rollout.vllm_engine.VLLMEngine`).
 
     With ``verify`` the engine must then report ``weight_version == version``; the bytes are the
     trainer's own tensors, so there is nothing in flight to checksum.
@@ -42,3 +43,7 @@ class InProcessWeightSync(WeightSync):
         return SyncMetrics(version=version, seconds=time.perf_counter() - t0,
                            bytes=sum(n for _, n in counted), tensors=len(counted),
                            engines=len(self.engines), verified=self.config.verify)
+
+
+def build(config: SyncConfig, engines, *, sender: bool, metadata=None) -> InProcessWeightSync:
+    return InProcessWeightSync(config, list(engines or []), sender=sender)

@@ -75,9 +75,13 @@ def validate_cross(cfg: RunConfig) -> None:
     names = [s.name for s in cfg.stages]
     if len(set(names)) != len(names):
         raise ConfigError("stages", f"stage names must be unique, got {names}")
-    if cfg.sync.transport in ("gloo", "nccl") and cfg.rollout.engine != "vllm_remote":
-        raise ConfigError("sync.transport", f"'{cfg.sync.transport}' joins engines in their own processes: "
-                                            "it needs rollout.engine='vllm_remote'")
+    servers = cfg.rollout.engine == "vllm_server"
+    if servers and cfg.sync.transport == "inprocess":
+        raise ConfigError("sync.transport", "rollout.engine='vllm_server' runs engines in their own processes: "
+                                            "use 'gloo' (CPU), 'nccl' or 'ipc' (GPUs)")
+    if not servers and cfg.sync.transport != "inprocess":
+        raise ConfigError("sync.transport", f"'{cfg.sync.transport}' drives vLLM servers: it needs "
+                                            "rollout.engine='vllm_server' (the in-process engine uses 'inprocess')")
     n_mb = cfg.algo.mini_batches
     if cfg.rollout.rollout_batch_size % n_mb:
         raise ConfigError("algo.mini_batches", f"must divide rollout.rollout_batch_size="

@@ -57,9 +57,11 @@ def test_non_sender_rank_drains_the_collective_iterator():
     assert len(drained) == 5 and engine.loaded == {} and metrics.tensors == 0
 
 
-def test_factory_validates_and_refuses_nccl_without_cuda():
+def test_factory_validates_and_refuses_gpu_transports_without_cuda():
     with pytest.raises(ConfigError, match="timeout_s"):
         build_weight_sync(SyncConfig(timeout_s=-1.0), [])
     if not torch.cuda.is_available():
-        with pytest.raises(SyncError, match="needs CUDA"):
-            build_weight_sync(SyncConfig(transport="nccl"), [RecordingEngine("a")])
+        pytest.importorskip("vllm")
+        for transport in ("nccl", "ipc"):
+            with pytest.raises(SyncError, match="needs CUDA"):
+                build_weight_sync(SyncConfig(transport=transport), [RecordingEngine("a")])
