@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from launch.config import LaunchConfig
-from launch.executors import make_executor, make_task, node_command, resolve_stage
+from launch.executors import make_executors, make_tasks, node_command, resolve_stage
 
 
 def _experiment_title(cfg: LaunchConfig, stage: str) -> str:
@@ -27,37 +27,48 @@ def _experiment_title(cfg: LaunchConfig, stage: str) -> str:
 
 
 def _prepare(cfg: LaunchConfig):
-    """Validated config -> (stage name, run dir, job dir, task, executor)."""
+    """Validated config -> (stage name, run dir, job dir, tasks, executors): one task, or with
+    dedicated engines a trainer group and an engine group (one heterogeneous job)."""
     cfg.validate()
     stage, run_dir = resolve_stage(cfg)
     job_dir = Path(cfg.job_dir) if cfg.job_dir else run_dir / "nemo_run"
     os.environ.setdefault("NEMORUN_HOME", str(job_dir / "home"))
-    return stage, run_dir, job_dir, make_task(cfg, stage, run_dir), make_executor(cfg, run_dir, job_dir)
+    return stage, run_dir, job_dir, make_tasks(cfg, stage, run_dir), make_executors(cfg, run_dir, job_dir)
+
+
+def _add(exp, tasks: list, executors: list, stage: str) -> None:
+    if len(tasks) == 1:
+        exp.add(tasks[0], executor=executors[0], name=stage)
+    else:
+        exp.add(tasks, executor=executors, name=stage)
 
 
 def dry_run(cfg: LaunchConfig) -> str:
     """The sbatch script NeMo-Run would submit (Slurm), or the command it would run (local)."""
-    stage, run_dir, _job_dir, task, executor = _prepare(cfg)
+    stage, run_dir, _job_dir, tasks, executors = _prepare(cfg)
     if cfg.executor == "local":
-        return " ".join(["bash", task.path, *task.args])
+        return " ".join(["bash", tasks[0].path, *tasks[0].args])
     import nemo_run as run
 
-    with run.Experiment(_experiment_title(cfg, stage), executor=executor, log_level="WARN") as exp:
-        exp.add(task, executor=executor, name=stage)
+    with run.Experiment(_experiment_title(cfg, stage), executor=executors[0], log_level="WARN") as exp:
+        _add(exp, tasks, executors, stage)
         exp.dryrun(log=False)
-        # NeMo-Run keeps the dry run's request on the job; materialize() renders the sbatch text.
-        return exp.jobs[0]._dryrun_info.request.materialize()
+        # NeMo-Run keeps the dry run's request on the job (a job group: on its first member);
+        # materialize() renders the sbatch text.
+        job = exp.jobs[0]
+        info = job._dryrun_infos[0] if hasattr(job, "_dryrun_infos") else job._dryrun_info
+        return info.request.materialize()
 
 
 def launch(cfg: LaunchConfig) -> int:
     """Submit (Slurm: returns once sbatch accepted the job) or run and wait (local)."""
-    stage, run_dir, _job_dir, task, executor = _prepare(cfg)
+    stage, run_dir, _job_dir, tasks, executors = _prepare(cfg)
     import nemo_run as run
 
     run_dir.mkdir(parents=True, exist_ok=True)
     detach = cfg.executor == "slurm"
-    with run.Experiment(_experiment_title(cfg, stage), executor=executor, log_level="WARN") as exp:
-        exp.add(task, executor=executor, name=stage)
+    with run.Experiment(_experiment_title(cfg, stage), executor=executors[0], log_level="WARN") as exp:
+        _add(exp, tasks, executors, stage)
         exp.run(sequential=True, detach=detach, tail_logs=False)
     status = exp.status(return_dict=True) or {}
     state = str((status.get(stage) or {}).get("status", "UNKNOWN"))
@@ -89,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, bool]:
     p.add_argument("--venv", default="")
     p.add_argument("--max-requeues", type=int, default=50)
     p.add_argument("--job-dir", default="")
+    p.add_argument("--rollout-placement", default="colocated", choices=["colocated", "dedicated"],
+                   help="dedicated: --rollout-nodes more nodes run only the vLLM engines (Slurm)")
+    p.add_argument("--rollout-nodes", type=int, default=1)
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides for the trainer")
     a = p.parse_args(argv)
     stage = a.stage.removeprefix("stage")
@@ -105,7 +119,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, bool]:
         overrides=list(a.overrides), executor=a.executor, nodes=a.nodes, gpus_per_node=a.gpus_per_node,
         nproc_per_node=a.nproc_per_node, account=a.account, partition=a.partition, time=a.time,
         container_image=a.container_image, container_mounts=list(a.container_mount), env=env,
-        venv=a.venv, max_requeues=a.max_requeues, job_dir=a.job_dir)
+        venv=a.venv, max_requeues=a.max_requeues, job_dir=a.job_dir,
+        rollout_placement=a.rollout_placement, rollout_nodes=a.rollout_nodes)
     return cfg, a.dry_run
 
 

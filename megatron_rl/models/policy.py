@@ -30,7 +30,7 @@ from megatron_rl.models import checkpoint, gpt
 from megatron_rl.models.batch import MicroBatch, SequenceBatch, pad_token_fields
 from megatron_rl.models.config import PolicyConfig
 from megatron_rl.models.hf_config import HFArch, read_hf_config
-from megatron_rl.models.hf_export import export_hf_weights
+from megatron_rl.models.hf_export import export_hf_metadata, export_hf_weights
 from megatron_rl.models.hf_load import load_hf_weights
 from megatron_rl.models.micro_batches import MicroInputs, plan_micro_batches
 from megatron_rl.models.optimizer import wrap_for_training
@@ -238,6 +238,10 @@ class MegatronPolicy:
         """``(HF name, full tensor)`` on global rank 0, ``(HF name, None)`` elsewhere (collective:
         every rank iterates to the end)."""
         return export_hf_weights(self.arch, [m.module for m in self.model], self.groups)
+
+    def export_hf_metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """``(HF name, dtype, shape)`` of what :meth:`export_hf_weights` yields, in order (local)."""
+        return export_hf_metadata(self.arch, [m.module for m in self.model], self.groups)
 
     def export_hf_grads(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         """Like :meth:`export_hf_weights` for the gradients of the last :meth:`train_step`

@@ -21,7 +21,8 @@ class RolloutConfig(ConfigBase):
     # ``server_urls``.
     placement: str = "colocated"
     # vllm_server: data-parallel engines the trainer waits for (all nodes together); each is one
-    # vLLM server with vLLM TP = ``tensor_parallel_size``.
+    # vLLM server with vLLM TP = ``tensor_parallel_size``. 0: every node's ``engines_per_node``
+    # (colocated: the trainer's nodes; dedicated: ``hosts``).
     num_engines: int = 1
     # vllm_server (colocated / dedicated): engines each node's launcher starts.
     engines_per_node: int = 1
@@ -88,10 +89,13 @@ class RolloutConfig(ConfigBase):
             for i, url in enumerate(self.server_urls):
                 if not url.startswith(("http://", "https://")):
                     self.fail("server_urls", f"entry {i} must start with http:// or https://, got {url!r}")
-            if self.num_engines not in (1, len(self.server_urls)):
+            if self.num_engines not in (0, 1, len(self.server_urls)):
                 self.fail("num_engines", f"is {self.num_engines} but server_urls lists "
                                          f"{len(self.server_urls)} servers")
-        for name in ("num_engines", "engines_per_node", "rollout_batch_size", "group_size",
+        self.check_range("num_engines", lo=0)
+        if self.num_engines == 0 and not (self.engine == "vllm_server" and self.placement != "external"):
+            self.fail("num_engines", "0 (every node's engines) needs engine='vllm_server' launched per node")
+        for name in ("engines_per_node", "rollout_batch_size", "group_size",
                      "max_response_len", "max_prompt_len", "tensor_parallel_size", "max_num_seqs"):
             self.check_range(name, lo=1)
         self.check_range("max_inflight_seqs", lo=0)

@@ -279,6 +279,8 @@ class EngineLauncher:
             self._unregister(server)
             server.stop()
 
+    close = stop
+
     def __enter__(self):
         return self
 

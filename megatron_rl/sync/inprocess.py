@@ -46,4 +46,9 @@ class InProcessWeightSync(WeightSync):
 
 
 def build(config: SyncConfig, engines, *, sender: bool, metadata=None) -> InProcessWeightSync:
-    return InProcessWeightSync(config, list(engines or []), sender=sender)
+    """``engines``: the engine (or a list of them); None on the non-sending ranks."""
+    if engines is None:
+        engines = []
+    elif not isinstance(engines, (list, tuple)):
+        engines = [engines]
+    return InProcessWeightSync(config, list(engines), sender=sender)

@@ -25,12 +25,14 @@ def on_every_rank(named, meta):
     import torch.distributed as dist
 
     device = torch.device("cuda", torch.cuda.current_device())
+    several = dist.is_initialized() and dist.get_world_size() > 1
     for (name, tensor), m in zip(named, meta, strict=True):
-        if dist.get_rank() == 0:
+        if not several or dist.get_rank() == 0:
             full = tensor.to(device).contiguous()
         else:
             full = torch.empty(m.shape, dtype=m.dtype, device=device)
-        dist.broadcast(full, src=0)
+        if several:
+            dist.broadcast(full, src=0)
         yield name, full
 
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from megatron_rl.models.policy import MegatronPolicy
     from megatron_rl.rewards import RewardManager
     from megatron_rl.rollout import RolloutEngine
+    from megatron_rl.rollout.launcher import EngineLauncher
     from megatron_rl.sync.base import WeightSync
     from megatron_rl.tracking import Tracker
     from megatron_rl.trainer.schema import RunConfig
@@ -43,14 +44,15 @@ class Context:
     entropy_ctl: EntropyController
     stop: StopRequest
     # Driver only (global rank 0); None / empty on the other ranks.
-    engine: RolloutEngine | None = None  # the one engine, or an EnginePool over ``engines``
-    engines: list[RolloutEngine] = field(default_factory=list)
+    engine: RolloutEngine | None = None  # the in-process engine, or the fleet of vLLM servers
     reward_mgr: RewardManager | None = None
     tracker: Tracker | None = None
     train_records: list[PromptRecord] = field(default_factory=list)
     eval_records: list[PromptRecord] = field(default_factory=list)
-    # Every rank (the receivers' side joins the collective transports).
+    # Every rank (the export is collective; the sending rank moves the data).
     weight_sync: WeightSync | None = None
+    # This node's engines, when this trainer process started them (colocated, no node launcher).
+    launcher: EngineLauncher | None = None
 
     @property
     def is_driver(self) -> bool:
@@ -80,19 +82,22 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
     from megatron_rl.data import DataConfig, load_prompts
     from megatron_rl.models.policy import MegatronPolicy
     from megatron_rl.rewards import RewardManager
-    from megatron_rl.rollout import EnginePool, make_engines
     from megatron_rl.sync.base import build_weight_sync
     from megatron_rl.tracking import Tracker
+    from megatron_rl.trainer.engines import build_engine, expected_engines, start_colocated
 
     run = RunDir(cfg.trainer.run_dir)
+    launcher = start_colocated(cfg, model_path, groups)  # first: servers boot while the policy builds
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     policy = MegatronPolicy.from_hf(model_path, cfg.policy, groups)
     ctx = Context(cfg=cfg, run=run, groups=groups, policy=policy, tokenizer=tokenizer, model_path=model_path,
-                  entropy_ctl=EntropyController(cfg.algo.entropy), stop=stop)
-    max_len = cfg.rollout.max_prompt_len + max(s.max_response_len for s in cfg.stages)
+                  entropy_ctl=EntropyController(cfg.algo.entropy), stop=stop, launcher=launcher)
+    names = expected_engines(cfg, groups) if cfg.rollout.engine == "vllm_server" else None
+    if launcher is not None:
+        launcher.wait_ready()
+        launcher.supervise_in_background()  # a server that dies is restarted, then re-admitted
     if ctx.is_driver:
-        ctx.engines = make_engines(model_path, cfg.rollout, seed=cfg.trainer.seed, max_model_len=max_len)
-        ctx.engine = ctx.engines[0] if len(ctx.engines) == 1 else EnginePool(ctx.engines, cfg.rollout.timeout_s)
+        ctx.engine = build_engine(cfg, model_path, names)
         ctx.reward_mgr = RewardManager(cfg.reward)
         max_len = cfg.rollout.max_prompt_len
         ctx.train_records, stats = load_prompts(cfg.data.train_path, tokenizer, cfg.data, max_prompt_len=max_len)
@@ -107,6 +112,7 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
         ctx.tracker = Tracker(cfg.tracking, run.root, cfg.to_dict(), wandb_run_id=run_state.get("wandb_run_id"))
         if ctx.tracker.wandb_run_id and run_state.get("wandb_run_id") != ctx.tracker.wandb_run_id:
             run.write_run_state({**run_state, "wandb_run_id": ctx.tracker.wandb_run_id})
-    ctx.weight_sync = build_weight_sync(cfg.sync, ctx.engines, sender=ctx.is_driver)
+    ctx.weight_sync = build_weight_sync(cfg.sync, ctx.engine, sender=ctx.is_driver,
+                                        metadata=policy.export_hf_metadata())
     ctx.weight_sync.connect()
     return ctx

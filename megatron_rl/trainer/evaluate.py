@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from megatron_rl.data import PromptRecord
@@ -9,11 +11,25 @@ from megatron_rl.rollout import SamplingSpec
 from megatron_rl.trainer.context import Context
 from megatron_rl.trainer.phases import reward_item
 
+log = logging.getLogger("megatron_rl")
+
 
 def sync_weights(ctx: Context, version: int) -> dict:
-    """Trainer weights -> engine (every rank drains the collective export iterator)."""
-    m = ctx.weight_sync.sync(ctx.policy.export_hf_weights(), version)
-    return m.as_dict() if hasattr(m, "as_dict") else dict(m)
+    """Trainer weights -> engines (every rank takes part in the collective export). A sync that left
+    some reachable engine without the new weights (another died mid-transfer, a checksum differed)
+    runs again with a fresh export, up to ``sync.retries`` times; rank 0 decides for all ranks."""
+    seconds = 0.0
+    for attempt in range(ctx.cfg.sync.retries + 1):
+        m = ctx.weight_sync.sync(ctx.policy.export_hf_weights(), version)
+        seconds += m.seconds
+        if ctx.broadcast(m.complete if ctx.is_driver else None):
+            break
+        log.warning("weight sync v%d: %s; syncing again (%d of %d)", version, m.failures, attempt + 1,
+                    ctx.cfg.sync.retries)
+    out = m.as_dict()
+    out["sync/seconds"] = seconds
+    out["sync/attempts"] = float(attempt + 1)
+    return out
 
 
 def evaluate(ctx: Context, max_tokens: int, records: list[PromptRecord] | None = None,

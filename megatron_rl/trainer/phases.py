@@ -7,7 +7,7 @@ phase takes the components and the config section it uses (``rollout``, ``algo``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,8 @@ class Rollout:
     group_ids: torch.Tensor  # [B*n] index of the prompt each completion answers
     rewards: torch.Tensor | None = None
     truncated: torch.Tensor | None = None
+    # The engine's counters for this generation (a fleet: rollout/requeued_requests, engines up).
+    engine_metrics: dict = field(default_factory=dict)
 
 
 def sampling_seed(run_seed: int, global_step: int) -> int:
@@ -43,7 +45,8 @@ def generate(engine: RolloutEngine, records: list[PromptRecord], r: RolloutConfi
     flat = [c for g in groups for c in g]
     gids = torch.tensor([i for i, g in enumerate(groups) for _ in g], dtype=torch.long)
     return Rollout(records=records, completions=flat, group_ids=gids,
-                   truncated=torch.tensor([c.truncated for c in flat], dtype=torch.bool))
+                   truncated=torch.tensor([c.truncated for c in flat], dtype=torch.bool),
+                   engine_metrics=engine.pop_metrics())
 
 
 def reward_item(record: PromptRecord, response: str) -> RewardItem:
@@ -77,6 +80,7 @@ def rollout_metrics(ro: Rollout, correct_reward: float) -> dict:
         "rollout/response_length_mean": lengths.mean().item(),
         "rollout/response_length_max": lengths.max().item(),
         "rollout/response_length_min": lengths.min().item(),
+        **ro.engine_metrics,
     }
 
 

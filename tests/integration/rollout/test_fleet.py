@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ pytest.importorskip("vllm")
 
 from hf_ref import hf_greedy, hf_logprobs  # noqa: E402
 
-from megatron_rl.models.tiny import TinySpec, write_tiny_model  # noqa: E402
+from megatron_rl.demo import TinySpec, write_tiny_model  # noqa: E402
 from megatron_rl.rollout import EngineError, SamplingSpec, connect_fleet  # noqa: E402
 from megatron_rl.rollout.config import RolloutConfig  # noqa: E402
 from megatron_rl.rollout.fleet import EngineFleet, EngineState  # noqa: E402
@@ -33,6 +34,7 @@ from megatron_rl.sync import gloo  # noqa: E402
 from megatron_rl.sync.base import UNKNOWN_VERSION, server_args  # noqa: E402
 
 pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[3]
 
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 NAMES = [f"h{h.rsplit('.', 1)[1]}-0" for h in HOSTS]
@@ -78,6 +80,11 @@ def fleet_env(tmp_path_factory):
 
 def _fleet(env, **kw) -> EngineFleet:
     return connect_fleet(_cfg(**kw), registry_dir=env["registry"], names=NAMES)
+
+
+def _survivors(env, **kw) -> EngineFleet:
+    """The engines other than the one the kill test killed (while its launcher restarts it)."""
+    return connect_fleet(_cfg(num_engines=2, **kw), registry_dir=env["registry"], names=[NAMES[0], NAMES[2]])
 
 
 def _tokens(groups):
@@ -147,9 +154,45 @@ def test_fleet_samples_exactly_what_one_server_samples(fleet_env):
         connect_fleet(_cfg(start_timeout_s=1.0), registry_dir=fleet_env["registry"], names=NAMES + ["h9-0"])
 
 
+def test_fleet_kill9_mid_generation_requeues_with_the_same_samples(fleet_env):
+    launcher = fleet_env["launcher"]
+    one = _one_server(fleet_env)
+    want = one.generate(PROMPTS, SAMPLE)
+    one.close()
+    fleet = _fleet(fleet_env, max_inflight_seqs=8)
+    assert all(e.weight_version == fleet_env["version"] for e in fleet.engines)  # what the servers report
+    victim = fleet.engines[1]
+    real_submit, state = victim.submit, {"calls": 0, "outstanding": 0, "at_kill": None}
+
+    async def submit(prompt_ids, sampling):
+        state["calls"] += 1
+        state["outstanding"] += 1
+        try:
+            if state["calls"] == 2:  # a second request is in flight on it: kill the whole server
+                state["at_kill"] = state["outstanding"]
+                launcher.servers[1].signal(signal.SIGKILL)
+            return await real_submit(prompt_ids, sampling)
+        finally:
+            state["outstanding"] -= 1
+
+    victim.submit = submit
+    try:
+        got = fleet.generate(PROMPTS, SAMPLE)
+        metrics = fleet.pop_metrics()
+    finally:
+        fleet.close()
+    assert _tokens(got) == _tokens(want), "a requeued prompt was sampled differently"
+    assert fleet.state(victim) is EngineState.DOWN and victim.weight_version == UNKNOWN_VERSION
+    assert metrics["rollout/requeued_requests"] == state["at_kill"] >= 2
+    assert metrics["rollout/engines_down"] == 1
+    assert NAMES[1] not in {c.engine for g in got for c in g}
+    # (its launcher restarts it while the next tests run on the other two; the re-admission test
+    # syncs and re-admits it)
+
+
 def test_fleet_gloo_sync_through_vllm_rl_routes_matches_transformers(fleet_env):
     hf = fleet_env["hf"]
-    fleet = _fleet(fleet_env)
+    fleet = _survivors(fleet_env)  # (the killed one is restarting; it is synced when re-admitted)
     sync = _sync(fleet_env, fleet)
     try:
         before = [hf_greedy(hf, p, 10) for p in PROMPTS[:4]]
@@ -157,7 +200,7 @@ def test_fleet_gloo_sync_through_vllm_rl_routes_matches_transformers(fleet_env):
         assert [hf_greedy(hf, p, 10) for p in PROMPTS[:4]] != before, "retrain did not change outputs"
         m = sync.sync(_named(hf), version=1)
         fleet_env["version"] = 1
-        assert m.complete and m.engines == 3 and m.failed_engines == 0
+        assert m.complete and m.engines == 2 and m.failed_engines == 0
         assert m.tensors == len(list(hf.parameters())) and m.buckets > 3
         assert m.bytes == sum(p.numel() * 4 for p in hf.parameters())
         for engine in fleet.engines:
@@ -173,7 +216,7 @@ def test_fleet_gloo_sync_through_vllm_rl_routes_matches_transformers(fleet_env):
 
 def test_fleet_sync_names_a_bucket_corrupted_in_flight_then_recovers(fleet_env, monkeypatch):
     hf = fleet_env["hf"]
-    fleet = _fleet(fleet_env)
+    fleet = _survivors(fleet_env)
     sync = _sync(fleet_env, fleet)
     real = gloo.broadcast
     calls = []
@@ -196,55 +239,9 @@ def test_fleet_sync_names_a_bucket_corrupted_in_flight_then_recovers(fleet_env, 
         monkeypatch.setattr(gloo, "broadcast", real)
         m = sync.sync(_named(hf), version=3)
         fleet_env["version"] = 3
-        assert m.complete and m.engines == 3
+        assert m.complete and m.engines == 2
         for engine in fleet.engines:
             _assert_matches_hf(engine, hf, version=3)
-    finally:
-        sync.close()
-        fleet.close()
-
-
-def test_fleet_kill9_mid_generation_requeues_then_readmits_the_restarted_server(fleet_env):
-    hf, launcher = fleet_env["hf"], fleet_env["launcher"]
-    one = _one_server(fleet_env)
-    want = one.generate(PROMPTS, SAMPLE)
-    one.close()
-    fleet = _fleet(fleet_env, max_inflight_seqs=8)
-    assert all(e.weight_version == fleet_env["version"] for e in fleet.engines)  # what the servers report
-    victim = fleet.engines[1]
-    real_submit, state = victim.submit, {"calls": 0, "outstanding": 0, "at_kill": None}
-
-    async def submit(prompt_ids, sampling):
-        state["calls"] += 1
-        state["outstanding"] += 1
-        try:
-            if state["calls"] == 2:  # a second request is in flight on it: kill the whole server
-                state["at_kill"] = state["outstanding"]
-                launcher.servers[1].signal(signal.SIGKILL)
-            return await real_submit(prompt_ids, sampling)
-        finally:
-            state["outstanding"] -= 1
-
-    victim.submit = submit
-    sync = _sync(fleet_env, fleet)
-    try:
-        got = fleet.generate(PROMPTS, SAMPLE)
-        metrics = fleet.pop_metrics()
-        assert _tokens(got) == _tokens(want), "a requeued prompt was sampled differently"
-        assert fleet.state(victim) is EngineState.DOWN and victim.weight_version == UNKNOWN_VERSION
-        assert metrics["rollout/requeued_requests"] == state["at_kill"] >= 2
-        assert NAMES[1] not in {c.engine for g in got for c in g}
-        # the launcher restarts it (new process, base weights); it answers again, is synced, re-admitted
-        deadline = time.monotonic() + 240
-        while not launcher.servers[1].healthy() or launcher.restarts < 1:
-            assert time.monotonic() < deadline, "the launcher did not bring the killed server back"
-            time.sleep(1.0)
-        assert fleet.probe() == [victim] and fleet.state(victim) is EngineState.JOINING
-        m = sync.sync(_named(hf), version=4)
-        fleet_env["version"] = 4
-        assert m.complete and m.engines == 3 and fleet.state(victim) is EngineState.UP
-        _assert_matches_hf(victim, hf, version=4)
-        assert NAMES[1] in {c.engine for g in fleet.generate(PROMPTS, SAMPLE) for c in g}
     finally:
         sync.close()
         fleet.close()
@@ -256,8 +253,8 @@ def test_fleet_detects_a_stopped_server_within_the_timeout_and_completes(fleet_e
     one = _one_server(fleet_env)
     want = one.generate(PROMPTS, SAMPLE)
     one.close()
-    fleet = _fleet(fleet_env, timeout_s=timeout_s, max_inflight_seqs=8)
-    victim = fleet.engines[2]
+    fleet = _survivors(fleet_env, timeout_s=timeout_s, max_inflight_seqs=8)
+    victim = fleet.engines[1]
     real_submit, state = victim.submit, {"calls": 0, "t_stop": None}
 
     async def submit(prompt_ids, sampling):
@@ -280,10 +277,10 @@ def test_fleet_detects_a_stopped_server_within_the_timeout_and_completes(fleet_e
         launcher.servers[2].signal(signal.SIGCONT)
         fleet.close()
     # once it answers again it rejoins (and takes part in the next sync)
-    fleet = _fleet(fleet_env)
+    fleet = _survivors(fleet_env)
     try:
-        fleet.mark_down(fleet.engines[2], "was stopped")
-        assert fleet.probe() == [fleet.engines[2]]
+        fleet.mark_down(fleet.engines[1], "was stopped")
+        assert fleet.probe() == [fleet.engines[1]]
     finally:
         fleet.close()
 
@@ -292,7 +289,7 @@ def test_fleet_pause_keep_freezes_requests_and_resume_finishes_them_unchanged(fl
     one = _one_server(fleet_env)
     want = one.generate(PROMPTS[:6], SAMPLE)
     one.close()
-    fleet = _fleet(fleet_env)
+    fleet = _survivors(fleet_env)
     try:
         fleet.pause("keep")
         assert all(e.is_paused() for e in fleet.live())
@@ -305,3 +302,103 @@ def test_fleet_pause_keep_freezes_requests_and_resume_finishes_them_unchanged(fl
         fleet.close()
     assert _tokens(got) == _tokens(want)
     assert os.environ.get("VLLM_SERVER_DEV_MODE") is None  # the servers' switch never leaks into the tests
+
+
+def test_fleet_readmits_the_restarted_server_after_a_sync(fleet_env):
+    hf, launcher = fleet_env["hf"], fleet_env["launcher"]
+    deadline = time.monotonic() + 240
+    while launcher.restarts < 1 or not launcher.servers[1].healthy():
+        assert time.monotonic() < deadline, "the launcher did not bring the killed server back"
+        time.sleep(1.0)
+    fleet = _fleet(fleet_env)  # the registry lists it again, at its new process
+    sync = _sync(fleet_env, fleet)
+    try:
+        victim = fleet.engines[1]
+        assert victim.weight_version == 0  # the restarted server holds the base weights
+        fleet.mark_down(victim, "killed")  # what the fleet that saw it die knows
+        assert fleet.probe() == [victim] and fleet.state(victim) is EngineState.JOINING
+        assert [e.name for e in fleet.live()] == [NAMES[0], NAMES[2]]
+        m = sync.sync(_named(hf), version=4)
+        fleet_env["version"] = 4
+        assert m.complete and m.engines == 3 and fleet.state(victim) is EngineState.UP
+        for engine in fleet.engines:
+            _assert_matches_hf(engine, hf, version=4)
+        assert NAMES[1] in {c.engine for g in fleet.generate(PROMPTS, SAMPLE) for c in g}
+    finally:
+        sync.close()
+        fleet.close()
+
+
+# ------------------------------------------------------------------ a TP=2 trainer on the fleet
+MINI = [
+    "synthetic.min_digits=1", "synthetic.max_digits=1", "synthetic.train_size=60", "synthetic.eval_size=5",
+    "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=2",
+    "model.tiny.intermediate_size=128", "model.tiny.num_layers=2",
+    "sft.max_steps=30", "sft.eval_every=30", "sft.eval_size=8", "sft.stop_accuracy=1.0", "sft.batch_size=32",
+    "sft.lr=0.003", "sft.slow_down_at=1.0",
+    "rollout.rollout_batch_size=8", "rollout.group_size=4", "rollout.kv_cache_bytes=16777216",
+    "stages=[{name: s1, max_response_len: 12, max_steps: 2}]", "eval.every=0", "tracking.wandb_mode=disabled",
+]
+
+
+def _train(cmd: list[str], run_dir, model: str, *extra: str) -> None:
+    import shutil
+    import subprocess
+
+    (run_dir / "base_model").parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(model, run_dir / "base_model")  # the model the servers were started with
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([*cmd, "train", "--config", str(REPO / "configs/demo_cpu.yaml"), "--run-dir",
+                           str(run_dir), *MINI, *extra], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+
+
+def _rows(run_dir) -> list[dict]:
+    import json
+
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+
+
+def test_fleet_tp2_torchrun_trainer_on_three_servers_matches_single_rank(fleet_env, tmp_path):
+    """`torchrun --nproc-per-node 2` trains at TP=2 and drives the three servers (placement external):
+    generation on the fleet, weights through vLLM's RL routes with the gloo backend after every update.
+    Reference: the same miniature run in one process at TP=1 with the in-process engine. The SFT cold
+    start involves no sampling, so its loss trajectory and the weights it ends with must agree (float
+    tolerance: TP=2 sums partial products in another order); afterwards every server holds the run's
+    final weights: its greedy output equals transformers' with them."""
+    import sys
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ref, tp2 = tmp_path / "tp1", tmp_path / "tp2"
+    _train([sys.executable, "-m", "megatron_rl.cli"], ref, fleet_env["model"])
+    urls = [r.url for r in EngineRegistry(fleet_env["registry"]).records().values()]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "megatron_rl.cli"]
+    _train(torchrun, tp2, fleet_env["model"], "policy.parallel.tensor_parallel=2", "rollout.engine=vllm_server",
+           "rollout.placement=external", f"rollout.server_urls=[{','.join(urls)}]", "rollout.max_num_seqs=16",
+           "sync.transport=gloo", "sync.bucket_bytes=65536")
+
+    a = [r["sft/nll"] for r in _rows(ref) if r["stage"] == "sft"]
+    b = [r["sft/nll"] for r in _rows(tp2) if r["stage"] == "sft"]
+    assert len(a) == len(b) == 30
+    assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5), (a, b)
+    wa = load_file(str(ref / "s1" / "final" / "hf" / "model.safetensors"))
+    wb = load_file(str(tp2 / "s1" / "final" / "hf" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-3
+    steps = [r for r in _rows(tp2) if r["stage"] == "s1"]
+    assert len(steps) == 2
+    assert all(r["rollout/engines_up"] == 3 and r["rollout/requeued_requests"] == 0 for r in steps)
+    assert all(r["sync/engines"] == 3 and r["sync/failed_engines"] == 0 for r in steps if "sync/engines" in r)
+    # the servers now hold the run's final weights
+    final = AutoModelForCausalLM.from_pretrained(str(tp2 / "s1" / "final" / "hf"), dtype=torch.float32).eval()
+    fleet = connect_fleet(_cfg(placement="external", server_urls=urls))
+    try:
+        version = fleet.engines[0].weight_version
+        assert version > 0 and all(e.weight_version == version for e in fleet.engines)
+        for engine in fleet.engines:
+            _assert_matches_hf(engine, final, version=version)
+    finally:
+        fleet.close()
