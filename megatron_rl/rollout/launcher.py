@@ -20,7 +20,6 @@ runs itself when no node launcher did.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -307,7 +306,3 @@ def node_specs(*, node: str, host: str, count: int, model: str, rollout: Rollout
                                 max_model_len=max_model_len, seed=seed, extra_args=list(extra_args or []),
                                 env=extra_env, log_path=log_path))
     return specs
-
-
-def describe(specs: list[ServerSpec]) -> str:
-    return json.dumps([{"name": s.name, "url": s.url(), "model": s.model} for s in specs])

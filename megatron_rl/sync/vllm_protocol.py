@@ -218,7 +218,7 @@ class ServerWeightSync(WeightSync):
             self._engine.send_weights()
             return SyncMetrics(version=version)
         t0 = time.perf_counter()
-        self.fleet.probe()
+        rejoining = self.fleet.probe()  # restarted engines: their transfer engine is new, re-form
         members = self.fleet.sync_targets()
         if not members:
             drain(named_tensors, version)
@@ -226,7 +226,7 @@ class ServerWeightSync(WeightSync):
         stream = iter(self.transport.wrap(named_tensors, self.source.metadata()))
         failures: dict[str, str] = {}
         try:
-            if [e.name for e in members] != self._members or self._engine is None:
+            if rejoining or [e.name for e in members] != self._members or self._engine is None:
                 self._form(members)
             self.source.stream = stream
             self._engine.send_weights()

@@ -53,10 +53,25 @@ class Context:
     weight_sync: WeightSync | None = None
     # This node's engines, when this trainer process started them (colocated, no node launcher).
     launcher: EngineLauncher | None = None
+    # Colocated on GPUs: the engines free their KV cache (and offload weights) while the policy trains.
+    sleep_while_training: bool = False
+    engines_asleep: bool = False
 
     @property
     def is_driver(self) -> bool:
         return self.groups.rank == 0
+
+    def engines_sleep(self) -> None:
+        """Colocated on GPUs: the engines give their memory to the training step (driver only)."""
+        if self.sleep_while_training and self.is_driver and not self.engines_asleep:
+            self.engine.sleep()
+            self.engines_asleep = True
+
+    def engines_wake(self) -> None:
+        """Before a sync or a generation: the engines take their memory back (idempotent)."""
+        if self.engines_asleep and self.is_driver:
+            self.engine.wake_up()
+            self.engines_asleep = False
 
     def broadcast(self, obj):
         """Rank 0's ``obj`` on every trainer rank."""
@@ -96,6 +111,8 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
     if launcher is not None:
         launcher.wait_ready()
         launcher.supervise_in_background()  # a server that dies is restarted, then re-admitted
+    ctx.sleep_while_training = (cfg.rollout.engine == "vllm_server" and cfg.rollout.placement == "colocated"
+                                and torch.cuda.is_available())
     if ctx.is_driver:
         ctx.engine = build_engine(cfg, model_path, names)
         ctx.reward_mgr = RewardManager(cfg.reward)

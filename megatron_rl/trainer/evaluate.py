@@ -18,6 +18,7 @@ def sync_weights(ctx: Context, version: int) -> dict:
     """Trainer weights -> engines (every rank takes part in the collective export). A sync that left
     some reachable engine without the new weights (another died mid-transfer, a checksum differed)
     runs again with a fresh export, up to ``sync.retries`` times; rank 0 decides for all ranks."""
+    ctx.engines_wake()  # colocated on GPUs: the engines need their memory to load the weights
     seconds = 0.0
     for attempt in range(ctx.cfg.sync.retries + 1):
         m = ctx.weight_sync.sync(ctx.policy.export_hf_weights(), version)
@@ -40,6 +41,7 @@ def evaluate(ctx: Context, max_tokens: int, records: list[PromptRecord] | None =
     records = ctx.eval_records if records is None else records
     if not records:
         return {}
+    ctx.engines_wake()
     spec = SamplingSpec(n=1, temperature=0.0, max_tokens=ctx.cfg.rollout.eval_max_tokens or max_tokens)
     outs = [g[0] for g in ctx.engine.generate([r.prompt_ids for r in records], spec)]
     items = [reward_item(r, o.text) for o, r in zip(outs, records)]

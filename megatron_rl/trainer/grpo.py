@@ -69,8 +69,10 @@ def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: Pro
         if ctx.is_driver:
             records = loader.next_batch()
             with timer("gen"):
+                ctx.engines_wake()
                 ro = phases.generate(ctx.engine, records, cfg.rollout, stage.max_response_len,
                                      seed=phases.sampling_seed(cfg.trainer.seed, state.global_step))
+                ctx.engines_sleep()
             with timer("reward"):
                 metrics.update(phases.score(ctx.reward_mgr, ro))
             metrics.update(phases.rollout_metrics(ro, cfg.algo.correct_reward))

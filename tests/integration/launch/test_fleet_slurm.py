@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ import pytest
 
 from tests.integration.launch.conftest import MINI_RECIPE, REPO, read_metrics, run_state, trainer_env
 
-pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+pytestmark = pytest.mark.slow
 
 JOB_TIMEOUT_S = 600
 ENGINE_OVERRIDES = ("sync.transport=gloo sync.bucket_bytes=1048576 rollout.max_num_seqs=32 "
@@ -43,6 +42,7 @@ def _node() -> str:
     return subprocess.run(["hostname", "-s"], capture_output=True, text=True, check=True).stdout.strip()
 
 
+@pytest.mark.slurm
 def test_fleet_sbatch_dedicated_runs_the_engines_as_their_own_step(slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
     node = _node()
@@ -67,6 +67,7 @@ def test_fleet_sbatch_dedicated_runs_the_engines_as_their_own_step(slurm_cluster
     assert not list((run_dir / "engines").glob("*.json"))  # unregistered when stopped
 
 
+@pytest.mark.slurm
 def test_fleet_colocated_node_launchers_start_their_nodes_engines(slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
     # What slurm/common.sh exports for a colocated run of a config with vLLM servers.
@@ -100,5 +101,28 @@ exec bash {REPO}/slurm/node_launch.sh {sys.executable} -m torch.distributed.run 
     assert all(r["rollout/engines_up"] == 2 for r in rows)
     assert all(r["sync/engines"] == 2 for r in rows if "sync/engines" in r)
     assert not _server_processes(run_dir / "base_model")
-    assert json.loads((run_dir / "run_state.json").read_text())["finished_stages"] == ["stage1_12"]
-    del t0
+    assert time.monotonic() - t0 < JOB_TIMEOUT_S
+
+
+def test_fleet_nemo_run_dedicated_is_a_heterogeneous_job_with_an_engine_group(nemo_run_env, tmp_path):
+    """NeMo-Run dry run (no cluster): group 0 the trainer nodes, group 1 the engine nodes running
+    only their vLLM servers; the trainer meets at the first trainer host and names the engine hosts."""
+    cmd = [sys.executable, "-m", "launch.run", "--stage", "stage1", "--executor", "slurm", "--dry-run",
+           "--nodes", "2", "--gpus-per-node", "8", "--account", "acct", "--rollout-placement", "dedicated",
+           "--rollout-nodes", "3", "--run-dir", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout[proc.stdout.index("#!/bin/bash"):]
+    assert "#SBATCH hetjob" in text
+    nodes = [line.split("=", 1)[1] for line in text.splitlines() if line.startswith("#SBATCH --nodes=")]
+    assert nodes == ["2", "3"]
+    sruns = [line for line in text.splitlines() if line.startswith("srun --het-group=")]
+    assert len(sruns) == 2
+    trainer, engines = sruns
+    assert trainer.startswith("srun --het-group=0") and "megatron_rl.cli train" in trainer
+    assert "--rdzv-endpoint=$het_group_host_0:" in trainer and '"sync.master_addr=$het_group_host_0"' in trainer
+    assert "rollout.placement=dedicated" in trainer and "$SLURM_JOB_NODELIST_HET_GROUP_1" in trainer
+    assert engines.startswith("srun --het-group=1")
+    assert engines.split()[-4:-2] == [str(REPO / "slurm" / "node_launch.sh"), "--engines"]
+    exports = [line for line in text.splitlines() if line.startswith("export MRL_ENGINE_ARGS=")]
+    assert len(exports) == 1 and '"engines --config ' in exports[0] and "rollout.placement=dedicated" in exports[0]
