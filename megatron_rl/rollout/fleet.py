@@ -302,6 +302,13 @@ class EngineFleet(RolloutEngine):
         return out
 
     def close(self) -> None:
+        async def cancel_pending():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self._run(cancel_pending())
         for slot in self._slots:
             aclose = getattr(slot.engine, "aclose", None)
             if aclose is not None:
