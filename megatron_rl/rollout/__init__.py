@@ -20,6 +20,10 @@ def make_engines(model_path: str, cfg: RolloutConfig, *, seed: int = 0, **kwargs
 
 def make_engine(model_path: str, cfg: RolloutConfig, *, seed: int = 0, **kwargs) -> RolloutEngine:
     """Build the engine ``cfg.engine`` names."""
+    if cfg.engine == "vllm" and cfg.async_.needs_streaming:
+        from megatron_rl.rollout.streaming import StreamingVLLMEngine
+
+        return StreamingVLLMEngine(model_path, cfg, seed=seed, **kwargs)
     if cfg.engine == "vllm":
         from megatron_rl.rollout.vllm_engine import VLLMEngine
 
