@@ -91,7 +91,7 @@ class RolloutConfig(ConfigBase):
     timeout_s: float = 600.0
     # Greedy evaluation: how many tokens the evaluation may generate (defaults to max_response_len).
     eval_max_tokens: int | None = None
-    # Asynchronous GRPO and dynamic sampling (YAML key ``async``; see AsyncConfig).
+    # Asynchronous GRPO and DAPO dynamic sampling: how far generation may run ahead of training.
     async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
 
     def validate(self) -> None:

@@ -156,30 +156,27 @@ class StreamingVLLMEngine(VLLMEngine, GroupStream):
                 self._deliver([o for o in outputs if o.finished])
 
     def _deliver(self, finished) -> None:
-        by_callback: dict[int, tuple[OnDone, list]] = {}
+        done = []
         for out in finished:
             entry = self._requests.pop(out.request_id, None)
-            if entry is None:  # aborted, or an evaluation request (collected by its own waiter)
+            if entry is None:  # aborted meanwhile
                 continue
             tag, on_done = entry
             self._by_tag.pop(tag, None)
-            by_callback.setdefault(id(on_done), (on_done, []))[1].append((tag, self.group(out)))
-        for on_done, groups in by_callback.values():
-            on_done(groups)
+            done.append((on_done, tag, self.group(out)))
+        _notify(done)
 
     def _fail_all(self, exc: BaseException) -> None:
         pending, self._requests = self._requests, {}
         self._by_tag.clear()
-        by_callback: dict[int, tuple[OnDone, list]] = {}
-        for tag, on_done in pending.values():
-            by_callback.setdefault(id(on_done), (on_done, []))[1].append((tag, exc))
-        for on_done, groups in by_callback.values():
-            on_done(groups)
+        _notify([(on_done, tag, exc) for tag, on_done in pending.values()])
 
     def _call(self, fn, *args, timeout: float | None = None):
         """Run ``fn`` on the loop thread between two engine steps; every wait has a timeout."""
         if self._closed:
             raise RuntimeError(f"{self.name}: engine is closed")
+        if threading.current_thread() is self._thread:
+            return fn(*args)
         fut: cf.Future = cf.Future()
         self._commands.put((lambda: fn(*args), fut))
         limit = timeout or self.cfg.timeout_s
@@ -277,3 +274,12 @@ class StreamingVLLMEngine(VLLMEngine, GroupStream):
             self._commands.put((lambda: None, cf.Future()))  # wake the loop
             self._thread.join(timeout=30)
         del self.llm
+
+
+def _notify(done: list[tuple[OnDone, Hashable, object]]) -> None:
+    """One ``on_done`` call per callback with all of its groups that finished together."""
+    by_callback: dict[int, tuple[OnDone, list]] = {}
+    for on_done, tag, result in done:
+        by_callback.setdefault(id(on_done), (on_done, []))[1].append((tag, result))
+    for on_done, groups in by_callback.values():
+        on_done(groups)

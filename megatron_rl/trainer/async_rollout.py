@@ -26,22 +26,47 @@ same prompts and seeds, at the checkpoint's weights).
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from megatron_rl.algo import filter_groups
-from megatron_rl.rollout import Completion, SamplingSpec
+from megatron_rl.algo import AlgoConfig, filter_groups
+from megatron_rl.data import PromptLoader
+from megatron_rl.rewards import RewardManager
+from megatron_rl.rollout import Completion, RolloutConfig, RolloutEngine, SamplingSpec
 from megatron_rl.rollout.streaming import BackgroundGenerate, GroupStream
+from megatron_rl.trainer.config import StageConfig
+from megatron_rl.trainer.context import Context
 from megatron_rl.trainer.phases import Rollout, reward_item, sampling_seed
+from megatron_rl.trainer.state import TrainerState
 
 log = logging.getLogger("megatron_rl")
 
 STATE_FILE = "rollouts.pt"
+# RUN_DIR/async_samples.jsonl: per step, the weight versions of every response trained on.
+SAMPLE_LOG = "async_samples.jsonl"
+
+
+def open_rollouts(ctx: Context, stage: StageConfig, state: TrainerState,
+                  loader: PromptLoader | None) -> RolloutScheduler | None:
+    """The driver's scheduler for ``stage``, with what the checkpoint it resumes from saved."""
+    if not ctx.is_driver:
+        return None
+    cfg = ctx.cfg
+    rollouts = RolloutScheduler(ctx.engine, loader, ctx.reward_mgr, cfg.rollout, cfg.algo,
+                                run_seed=cfg.trainer.seed, max_response_len=stage.max_response_len,
+                                sample_log=ctx.run.root / SAMPLE_LOG, stage=stage.name)
+    if rollouts.restore(ctx.run.latest_step_checkpoint(stage.name), state.weight_version,
+                        state.global_step, state.step):
+        log.info("stage %s: %d groups generated before the checkpoint, %d redrawn", stage.name,
+                 len(rollouts.done), len(rollouts.in_flight))
+    return rollouts
 
 
 @dataclass
@@ -70,7 +95,7 @@ class _Step:
     """What one step's collection saw (its metrics)."""
 
     reward_calls: list[tuple[dict, list[dict]]] = field(default_factory=list)
-    generated: int = 0
+    generated: int = 0  # groups of this step's waves that finished (and were scored)
     dropped_stale: int = 0
     dropped_zero_variance: int = 0
     aborted: int = 0
@@ -98,9 +123,14 @@ def merge_reward_metrics(calls: list[tuple[dict, list[dict]]]) -> dict:
 class RolloutScheduler:
     """The driver's source of rollouts for one stage (see the module docstring)."""
 
-    def __init__(self, engine, loader, reward_mgr, cfg, *, max_response_len: int):
-        self.cfg = cfg
-        self.acfg = cfg.rollout.async_
+    def __init__(self, engine: RolloutEngine, loader: PromptLoader, reward_mgr: RewardManager,
+                 r: RolloutConfig, algo: AlgoConfig, *, run_seed: int, max_response_len: int,
+                 sample_log: Path | None = None, stage: str = ""):
+        """``sample_log``: a JSONL file that gets, per step with rollout.async on, the weight
+        versions (oldest, newest token) of every response trained on."""
+        self.r, self.algo, self.run_seed = r, algo, run_seed
+        self.sample_log, self.stage = sample_log, stage
+        self.acfg = r.async_
         self.loader = loader
         self.reward_mgr = reward_mgr
         self.max_response_len = max_response_len
@@ -108,7 +138,7 @@ class RolloutScheduler:
         if self.acfg.needs_streaming and not (self.stream.keeps_in_flight and self.stream.can_abort):
             raise ValueError(f"rollout.async: partial_rollout / oversample need an engine that loads weights "
                              f"with requests in flight; {type(engine).__name__} cannot")
-        self.n = cfg.rollout.rollout_batch_size
+        self.n = r.rollout_batch_size
         self.per_wave = self.n + round(self.n * self.acfg.oversample)
         self.next_wave = 0  # the first wave not dispatched yet
         self.drawn: dict[int, int] = {}  # wave -> prompts drawn for it so far
@@ -130,11 +160,12 @@ class RolloutScheduler:
         resolved: list[Group] = []  # taken + dropped for zero variance, in arrival order
         while True:
             self._receive(block=False)
-            if self.done:
+            mine = [g for g in self.done if g.wave <= step]  # later waves are scored in their step
+            if mine:
                 with timer("reward"):
-                    self._score(self.done)
-                self.ready.extend(self.done)
-                self.done = []
+                    self._score(mine)
+                self.done = [g for g in self.done if g.wave > step]
+                self.ready.extend(mine)
             for g in [g for g in self.ready if g.wave <= step]:
                 if len(taken) == self.n:
                     break
@@ -164,6 +195,7 @@ class RolloutScheduler:
         metrics = merge_reward_metrics(st.reward_calls) if st.reward_calls else {}
         if self.acfg.enabled:
             metrics.update(self._metrics(taken, version, len(resolved)))
+            self._log_versions(step, global_step, version, taken)
         if not resolved:
             return None, metrics
         return self._as_rollout(resolved), metrics
@@ -173,11 +205,11 @@ class RolloutScheduler:
         if self.acfg.partial_rollout or not self.stream.in_flight():
             return {}
         t0 = time.perf_counter()
-        deadline = t0 + self.cfg.rollout.timeout_s
+        deadline = t0 + self.r.timeout_s
         while self.stream.in_flight():
             if time.perf_counter() > deadline:
                 raise TimeoutError(f"rollout.async: requests in flight did not finish within "
-                                   f"rollout.timeout_s={self.cfg.rollout.timeout_s}s before a weight update")
+                                   f"rollout.timeout_s={self.r.timeout_s}s before a weight update")
             time.sleep(0.005)
         waited = time.perf_counter() - t0
         return {"async/sync_wait_s": waited} if self.acfg.enabled else {}
@@ -255,8 +287,8 @@ class RolloutScheduler:
 
     def _submit(self, wave: int, global_step: int, groups: list[Group]) -> None:
         """Groups of one wave; consecutive indices go in one call (prompt i seeded base + index)."""
-        r = self.cfg.rollout
-        base = sampling_seed(self.cfg.trainer.seed, global_step)
+        r = self.r
+        base = sampling_seed(self.run_seed, global_step)
         runs: list[list[Group]] = []
         for g in sorted(groups, key=lambda g: g.index):
             if runs and runs[-1][-1].index + 1 == g.index:
@@ -273,7 +305,7 @@ class RolloutScheduler:
 
     def _receive(self, block: bool) -> None:
         """Move delivered groups from the engine's thread into ``done`` (arrival order)."""
-        timeout = self.cfg.rollout.timeout_s
+        timeout = self.r.timeout_s
         while True:
             try:
                 batch = self._inbox.get(block=block, timeout=timeout if block else None)
@@ -290,13 +322,13 @@ class RolloutScheduler:
                     raise RuntimeError(f"rollout engine failed on prompt {tag}: {result}") from result
                 g.completions = result
                 self.done.append(g)
-                self._step.generated += 1
 
     def _score(self, groups: list[Group]) -> None:
         records = self.loader.records
         items = [reward_item(records[g.record], c.text) for g in groups for c in g.completions]
         scores, metrics, details = self.reward_mgr.score(items, return_details=True)
         self._step.reward_calls.append((metrics, details))
+        self._step.generated += len(groups)
         k = 0
         for g in groups:
             g.rewards = scores[k: k + len(g.completions)]
@@ -304,7 +336,7 @@ class RolloutScheduler:
 
     def _has_variance(self, g: Group) -> bool:
         rewards = torch.tensor(g.rewards, dtype=torch.float32)
-        keep, _ = filter_groups(rewards, torch.zeros(len(g.rewards), dtype=torch.long), self.cfg.algo)
+        keep, _ = filter_groups(rewards, torch.zeros(len(g.rewards), dtype=torch.long), self.algo)
         return bool(keep.all())
 
     def _drop_hopeless(self, step: int, version: int) -> None:
@@ -327,6 +359,14 @@ class RolloutScheduler:
         return Rollout(records=records, completions=flat, group_ids=gids,
                        rewards=torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32),
                        truncated=torch.tensor([c.truncated for c in flat], dtype=torch.bool))
+
+    def _log_versions(self, step: int, global_step: int, version: int, taken: list[Group]) -> None:
+        if self.sample_log is None:
+            return
+        row = {"stage": self.stage, "step": global_step + 1, "stage_step": step, "trainer_version": version,
+               "versions": [[c.weight_version, c.newest_version] for g in taken for c in g.completions]}
+        with open(self.sample_log, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
     def _metrics(self, taken: list[Group], version: int, resolved: int) -> dict:
         st = self._step

@@ -93,7 +93,9 @@ def make_batch(ro: Rollout, algo: AlgoConfig) -> tuple[SequenceBatch | None, dic
     batch = SequenceBatch(
         sequences=[list(r.prompt_ids) + list(c.token_ids) for r, c in zip(recs, comps)],
         prompt_lens=[len(r.prompt_ids) for r in recs],
-        token_fields={"rollout_logp": [torch.tensor(c.logprobs, dtype=torch.float32) for c in comps]},
+        token_fields={"rollout_logp": [torch.tensor(c.logprobs, dtype=torch.float32) for c in comps],
+                      # the weight version that sampled each token (async GRPO: older than the trainer's)
+                      "weight_version": [torch.tensor(c.token_versions(), dtype=torch.long) for c in comps]},
         seq_fields={"advantages": adv[idx].float()},
     )
     metrics["batch/tokens"] = float(sum(len(c.token_ids) for c in comps))

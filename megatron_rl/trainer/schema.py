@@ -78,6 +78,9 @@ def validate_cross(cfg: RunConfig) -> None:
     if cfg.sync.transport in ("gloo", "nccl") and cfg.rollout.engine != "vllm_remote":
         raise ConfigError("sync.transport", f"'{cfg.sync.transport}' joins engines in their own processes: "
                                             "it needs rollout.engine='vllm_remote'")
+    if cfg.rollout.async_.dynamic_sampling and not cfg.algo.filter_zero_variance_groups:
+        raise ConfigError("rollout.async.dynamic_sampling", "keeps drawing until the step has groups with reward "
+                                                            "variance: it needs algo.filter_zero_variance_groups=true")
     n_mb = cfg.algo.mini_batches
     if cfg.rollout.rollout_batch_size % n_mb:
         raise ConfigError("algo.mini_batches", f"must divide rollout.rollout_batch_size="

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from megatron_rl.algo.config import AlgoConfig
-from megatron_rl.config.schema import RunConfig
 from megatron_rl.data.dataset import PromptRecord
 from megatron_rl.data.loader import PromptLoader
 from megatron_rl.rewards import RewardManager
@@ -25,6 +24,7 @@ from megatron_rl.rollout.streaming import GroupStream
 from megatron_rl.trainer import phases
 from megatron_rl.trainer.async_rollout import RolloutScheduler, merge_reward_metrics
 from megatron_rl.trainer.config import TrainerConfig
+from megatron_rl.trainer.schema import RunConfig
 
 
 def timer(_name):
@@ -142,7 +142,8 @@ class FakeStream(GroupStream):
 def _scheduler(cfg, engine, records=None):
     records = records or _records()
     loader = PromptLoader(records, cfg.rollout.rollout_batch_size, seed=5)
-    return RolloutScheduler(engine, loader, RewardManager(RewardConfig()), cfg, max_response_len=8), loader
+    return RolloutScheduler(engine, loader, RewardManager(RewardConfig()), cfg.rollout, cfg.algo,
+                            run_seed=cfg.trainer.seed, max_response_len=8), loader
 
 
 def _run(sched, engine, steps, start=0, version=0):
@@ -174,7 +175,7 @@ def test_async_off_is_todays_generate_and_score():
     ref_loader = PromptLoader(_records(), 4, seed=5)
     mgr = RewardManager(RewardConfig())
     for step, (ro, m, version) in enumerate(_run(sched, eng_a, 4)):
-        ref = phases.generate(eng_b, ref_loader.next_batch(), cfg, 8, seed=phases.sampling_seed(11, 100 + step))
+        ref = phases.generate(eng_b, ref_loader.next_batch(), cfg.rollout, 8, seed=phases.sampling_seed(11, 100 + step))
         ref_m = phases.score(mgr, ref)
         _same_rollout(ro, ref)
         assert {k: v for k, v in m.items() if k != "reward/time_s"} == \
@@ -250,7 +251,7 @@ def test_async_dynamic_sampling_refills_until_every_group_has_variance_within_th
         assert m["async/prompts_drawn"] == trained + int((~var).sum()) <= 12
         assert trained == 4 or m["async/prompts_drawn"] == 12  # full, or the cap was reached
     # the batch make_batch builds keeps exactly the groups with variance
-    batch, fm = phases.make_batch(ro, cfg)
+    batch, fm = phases.make_batch(ro, cfg.algo)
     assert fm["filter/kept_groups"] == trained and fm["filter/zero_variance"] == m["async/groups_dropped_zero_variance"]
 
 
