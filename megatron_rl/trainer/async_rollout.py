@@ -61,7 +61,7 @@ def open_rollouts(ctx: Context, stage: StageConfig, state: TrainerState,
     cfg = ctx.cfg
     rollouts = RolloutScheduler(ctx.engine, loader, ctx.reward_mgr, cfg.rollout, cfg.algo,
                                 run_seed=cfg.trainer.seed, max_response_len=stage.max_response_len,
-                                sample_log=ctx.run.root / SAMPLE_LOG, stage=stage.name)
+                                step=state.step, sample_log=ctx.run.root / SAMPLE_LOG, stage=stage.name)
     if rollouts.restore(ctx.run.latest_step_checkpoint(stage.name), state.weight_version,
                         state.global_step, state.step):
         log.info("stage %s: %d groups generated before the checkpoint, %d redrawn", stage.name,
@@ -125,9 +125,10 @@ class RolloutScheduler:
 
     def __init__(self, engine: RolloutEngine, loader: PromptLoader, reward_mgr: RewardManager,
                  r: RolloutConfig, algo: AlgoConfig, *, run_seed: int, max_response_len: int,
-                 sample_log: Path | None = None, stage: str = ""):
-        """``sample_log``: a JSONL file that gets, per step with rollout.async on, the weight
-        versions (oldest, newest token) of every response trained on."""
+                 step: int = 0, sample_log: Path | None = None, stage: str = ""):
+        """``step``: the stage's next step (its wave is the first to draw). ``sample_log``: a JSONL
+        file that gets, per step with rollout.async on, the weight versions (oldest, newest token)
+        of every response trained on."""
         self.r, self.algo, self.run_seed = r, algo, run_seed
         self.sample_log, self.stage = sample_log, stage
         self.acfg = r.async_
@@ -140,7 +141,7 @@ class RolloutScheduler:
                              f"with requests in flight; {type(engine).__name__} cannot")
         self.n = r.rollout_batch_size
         self.per_wave = self.n + round(self.n * self.acfg.oversample)
-        self.next_wave = 0  # the first wave not dispatched yet
+        self.next_wave = step  # the first wave not dispatched yet
         self.drawn: dict[int, int] = {}  # wave -> prompts drawn for it so far
         self.in_flight: dict[tuple[int, int], Group] = {}
         self.done: list[Group] = []  # finished, not scored yet (arrival order)
@@ -241,6 +242,11 @@ class RolloutScheduler:
         return {"next_wave": self.next_wave, "drawn": dict(self.drawn), "groups": groups}
 
     def load_state_dict(self, state: dict, version: int, global_step: int, step: int) -> None:
+        if self.acfg.max_staleness == 0 and state["groups"]:  # generated ahead, now too old to train on
+            log.warning("rollouts: the checkpoint holds %d groups generated ahead, but rollout.async."
+                        "max_staleness is 0 now: dropped (their prompts are skipped)", len(state["groups"]))
+            self.next_wave = step
+            return
         self.next_wave = int(state["next_wave"])
         self.drawn = {int(k): int(v) for k, v in state["drawn"].items()}
         redraw: dict[int, list[Group]] = {}

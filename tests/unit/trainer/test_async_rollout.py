@@ -139,11 +139,11 @@ class FakeStream(GroupStream):
         return len(self.held)
 
 
-def _scheduler(cfg, engine, records=None):
+def _scheduler(cfg, engine, records=None, step=0):
     records = records or _records()
     loader = PromptLoader(records, cfg.rollout.rollout_batch_size, seed=5)
     return RolloutScheduler(engine, loader, RewardManager(RewardConfig()), cfg.rollout, cfg.algo,
-                            run_seed=cfg.trainer.seed, max_response_len=8), loader
+                            run_seed=cfg.trainer.seed, max_response_len=8, step=step), loader
 
 
 def _run(sched, engine, steps, start=0, version=0):
@@ -280,6 +280,18 @@ def test_async_checkpoint_mid_run_resumes_exactly():
         assert ma["async/staleness_max"] == mb["async/staleness_max"] == 1.0
 
 
+def test_async_turned_on_at_a_resume_without_saved_rollouts_starts_at_that_step():
+    """A checkpoint from a synchronous run (no rollouts saved) resumed with max_staleness=1: the
+    first wave drawn is the resumed step's, with that step's seed and the loader's next prompts."""
+    eng = FakeEngine()
+    sched, loader = _scheduler(_cfg(max_staleness=1), eng, step=5)
+    expected = PromptLoader(_records(), 4, seed=5).take(4)
+    ro, _, _ = _run(sched, eng, 1, start=5)[0]
+    assert [r.uid for r in ro.records] == [str(i) for i in expected]
+    assert eng.log[0][2][0] == phases.sampling_seed(11, 105)  # step 5's seed (global step 105)
+    assert sched.next_wave == 7  # waves 5 and 6 drawn, no more
+
+
 def test_async_checkpoint_redraws_groups_in_flight_with_their_seeds():
     cfg = _cfg(max_staleness=1, partial_rollout=True, oversample=0.5)
     eng = FakeStream(hold=2)
@@ -295,8 +307,27 @@ def test_async_checkpoint_redraws_groups_in_flight_with_their_seeds():
     sched2.load_state_dict(state, version=2, global_step=102, step=2)
     assert sorted(h[0] for h in eng2.held) == sorted((g["wave"], g["index"]) for g in pending)
     assert all(h[4] == 2 for h in eng2.held)  # redrawn at the checkpoint's weights
+    assert {g.dispatch_version for g in sched2.in_flight.values()} == {2}
     ro, m, _ = _run(sched2, eng2, 1, start=2, version=2)[0]
     assert len(ro.completions) == 16
+
+
+def test_async_group_older_than_max_staleness_is_dropped_and_counted():
+    """A finished group restored from a checkpoint whose weights are now 2 versions behind is not
+    trained on with max_staleness=1: dropped, counted, and the step is filled by the others."""
+    cfg = _cfg(max_staleness=1, oversample=0.5, partial_rollout=True)
+    eng = FakeStream(slow=lambda index: False)
+    sched, loader = _scheduler(cfg, eng)
+    _run(sched, eng, 1)  # wave 1 (6 groups) and wave 0's 2 spare ones, version 0, wait for step 1
+    state = sched.state_dict()
+    assert len(state["groups"]) == 8
+    eng2 = FakeStream(slow=lambda index: False)
+    eng2.weight_version = 2
+    sched2, loader2 = _scheduler(cfg, eng2)
+    loader2.load_state_dict(loader.state_dict())
+    sched2.load_state_dict(state, version=2, global_step=101, step=1)
+    ro, m, _ = _run(sched2, eng2, 1, start=1, version=2)[0]
+    assert m["async/groups_dropped_stale"] == 8 and m["async/groups_trained"] == 0 and ro is None
 
 
 def test_async_merged_reward_metrics_equal_one_call_over_the_union():
