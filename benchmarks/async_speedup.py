@@ -17,7 +17,9 @@ JSON object: ``{"wall_ratio", "accuracy_sync", "accuracy_async", ...}`` (medians
 
     python benchmarks/async_speedup.py [--steps 100] [--seeds 1 2] [--work runs/bench_async]
 
-The box is shared: the load average is printed before and after; read the ratios within one run.
+The SFT checkpoint and every finished run are kept in ``--work`` and reused, so the script can be
+run in pieces (``--seeds 1``, then ``--seeds 1 2``). The box is shared: the load average is printed
+before and after and per run; read the ratios within one run.
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ def grpo_run(work: Path, sft: Path, mode: str, seed: int, steps: int) -> dict:
         ]
         t0 = time.perf_counter()
         train(run_dir, overrides, pin=True)
+        (run_dir / "bench_load.txt").write_text(loadavg())
         print(f"  {mode} seed {seed}: process {time.perf_counter() - t0:.0f} s (load {loadavg()})", flush=True)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if r["stage"] == STAGE]
@@ -126,7 +129,8 @@ def grpo_run(work: Path, sft: Path, mode: str, seed: int, steps: int) -> dict:
     return {"mode": mode, "seed": seed, "steps": len(rows), "wall_s": sum(r["timing/step"] for r in rows),
             "accuracy": ev[STAGE]["eval/accuracy"], "accuracy_start": ev["start"]["eval/accuracy"],
             "split": split, "trainer_wait_s": statistics.mean(r.get("async/trainer_wait_s", 0.0) for r in rows),
-            "engine_idle_s": statistics.mean(r.get("async/engine_idle_s", 0.0) for r in rows)}
+            "engine_idle_s": statistics.mean(r.get("async/engine_idle_s", 0.0) for r in rows),
+            "load": (run_dir / "bench_load.txt").read_text().split()[0]}
 
 
 def main() -> None:
@@ -145,13 +149,13 @@ def main() -> None:
             runs.append(grpo_run(args.work, sft, mode, seed, args.steps))
     print(f"load average after: {loadavg()}")
     print("\n| run | steps | GRPO wall s | s/step | gen | reward | logprob | update | sync | other | "
-          "trainer wait | held-out acc (after SFT) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "trainer wait | held-out acc (after SFT) | load (1 min, at end) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         s = r["split"]
         print(f"| {r['mode']} seed {r['seed']} | {r['steps']} | {r['wall_s']:.0f} | {s['step']:.2f} | {s['gen']:.2f} | "
               f"{s['reward']:.2f} | {s['logprob']:.2f} | {s['update']:.2f} | {s['sync']:.2f} | {s['other']:.2f} | "
-              f"{r['trainer_wait_s']:.2f} | {r['accuracy']:.3f} ({r['accuracy_start']:.3f}) |")
+              f"{r['trainer_wait_s']:.2f} | {r['accuracy']:.3f} ({r['accuracy_start']:.3f}) | {r['load']} |")
     med = {m: {k: statistics.median(r[k] for r in runs if r["mode"] == m) for k in ("wall_s", "accuracy")}
            for m in ("sync", "async")}
     # The floor of one-step-off from the synchronous split: the slower side, plus the sync itself.

@@ -195,7 +195,7 @@ class RolloutScheduler:
         self._drop_hopeless(step, version)
         metrics = merge_reward_metrics(st.reward_calls) if st.reward_calls else {}
         if self.acfg.enabled:
-            metrics.update(self._metrics(taken, version, len(resolved)))
+            metrics.update(self._metrics(taken, version))
             self._log_versions(step, global_step, version, taken)
         if not resolved:
             return None, metrics
@@ -203,8 +203,9 @@ class RolloutScheduler:
 
     def before_sync(self) -> dict:
         """Before a weight update: without partial rollouts, the requests in flight finish first."""
+        report = {"async/sync_wait_s": 0.0} if self.acfg.enabled else {}
         if self.acfg.partial_rollout or not self.stream.in_flight():
-            return {}
+            return report
         t0 = time.perf_counter()
         deadline = t0 + self.r.timeout_s
         while self.stream.in_flight():
@@ -212,8 +213,7 @@ class RolloutScheduler:
                 raise TimeoutError(f"rollout.async: requests in flight did not finish within "
                                    f"rollout.timeout_s={self.r.timeout_s}s before a weight update")
             time.sleep(0.005)
-        waited = time.perf_counter() - t0
-        return {"async/sync_wait_s": waited} if self.acfg.enabled else {}
+        return {k: time.perf_counter() - t0 for k in report}
 
     def close(self) -> None:
         """End of the stage: stop what is in flight (or let it finish) and forget the leftovers."""
@@ -374,7 +374,7 @@ class RolloutScheduler:
         with open(self.sample_log, "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def _metrics(self, taken: list[Group], version: int, resolved: int) -> dict:
+    def _metrics(self, taken: list[Group], version: int) -> dict:
         st = self._step
         s = self.acfg.max_staleness
         comps = [c for g in taken for c in g.completions]
