@@ -60,9 +60,21 @@ install_packages() {
   log "installing slurmctld slurmd slurm-client munge (apt)"
   export DEBIAN_FRONTEND=noninteractive
   # Exit code 3: packages cannot be installed here (the tests skip on it, naming the reason).
-  apt-get update -qq || { log "ERROR: apt-get update failed (is a Debian mirror reachable?)"; exit 3; }
-  apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null \
+  apt-get -o DPkg::Lock::Timeout=300 update -qq || { log "ERROR: apt-get update failed (is a Debian mirror reachable?)"; exit 3; }
+  apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null \
     || { log "ERROR: apt-get install of slurm/munge failed"; exit 3; }
+}
+
+# Start a daemon without the caller's open file descriptors: a daemon that inherits, say, a held
+# flock(1) lock or a test runner's pipe keeps it open for as long as it lives.
+daemon() {
+  (
+    for fd in /proc/self/fd/*; do
+      fd="${fd##*/}"
+      [ "$fd" -gt 2 ] 2>/dev/null && eval "exec $fd>&-"
+    done
+    exec "$@"
+  )
 }
 
 munge_works() { munge -n 2>/dev/null | unmunge >/dev/null 2>&1; }
@@ -77,7 +89,7 @@ start_munge() {
   fi
   chown munge:munge /etc/munge/munge.key
   chmod 0400 /etc/munge/munge.key
-  runuser -u munge -- /usr/sbin/munged
+  daemon runuser -u munge -- /usr/sbin/munged
   touch "$state_dir/started-munge"
   wait_until 20 "munged is up" munge_works || die "munged did not start (see /var/log/munge/munged.log)"
 }
@@ -193,13 +205,13 @@ start_slurm() {
     stop_daemon slurmctld "$ctld_pid"
   fi
   if ! alive "$ctld_pid"; then
-    /usr/sbin/slurmctld || die "slurmctld failed to start (see $state_dir/slurmctld.log)"
+    daemon /usr/sbin/slurmctld || die "slurmctld failed to start (see $state_dir/slurmctld.log)"
     touch "$state_dir/started-slurm"
   fi
   wait_until 30 "slurmctld answers" scontrol ping \
     || die "slurmctld does not answer (see $state_dir/slurmctld.log)"
   if ! alive "$slurmd_pid"; then
-    /usr/sbin/slurmd || die "slurmd failed to start (see $state_dir/slurmd.log)"
+    daemon /usr/sbin/slurmd || die "slurmd failed to start (see $state_dir/slurmd.log)"
   fi
   local deadline=$((SECONDS + start_timeout)) state
   until node_idle; do

@@ -33,6 +33,12 @@ class ConfigError(ValueError):
 _NONE_TYPE = type(None)
 
 
+def yaml_key(f: dataclasses.Field) -> str:
+    """A field's key in YAML and on the command line: its name, or ``metadata["key"]`` where the
+    key is a Python keyword (``rollout.async`` is the field ``async_``)."""
+    return f.metadata.get("key", f.name)
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
@@ -108,15 +114,15 @@ class ConfigBase:
     def from_dict(cls, data: dict[str, Any] | None, prefix: str = "", source: str | None = None):
         data = dict(data or {})
         hints = get_type_hints(cls)
-        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(set(data) - set(fields))
+        names = {yaml_key(f): f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(data) - set(names))
         if unknown:
             key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-            raise ConfigError(key, f"unknown key; valid keys here are {sorted(fields)}", source)
+            raise ConfigError(key, f"unknown key; valid keys here are {sorted(names)}", source)
         kwargs = {}
-        for name, value in data.items():
-            key = f"{prefix}.{name}" if prefix else name
-            kwargs[name] = _coerce(value, hints[name], key, source)
+        for ykey, value in data.items():
+            key = f"{prefix}.{ykey}" if prefix else ykey
+            kwargs[names[ykey]] = _coerce(value, hints[names[ykey]], key, source)
         try:
             obj = cls(**kwargs)
         except TypeError as exc:  # a required field is missing
@@ -132,12 +138,14 @@ class ConfigBase:
                 value = value.to_dict()
             elif isinstance(value, list):
                 value = [v.to_dict() if isinstance(v, ConfigBase) else v for v in value]
-            out[f.name] = value
+            out[yaml_key(f)] = value
         return out
 
     def key(self, name: str) -> str:
         """The full dotted key of field ``name`` of this (possibly nested) config."""
         prefix = getattr(self, "_prefix", "")
+        f = next((f for f in dataclasses.fields(self) if f.name == name), None)
+        name = yaml_key(f) if f is not None else name
         return f"{prefix}.{name}" if prefix else name
 
     def fail(self, name: str, message: str) -> None:

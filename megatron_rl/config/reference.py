@@ -9,7 +9,7 @@ import dataclasses
 import inspect
 import typing
 
-from megatron_rl.config.base import ConfigBase
+from megatron_rl.config.base import ConfigBase, yaml_key
 
 
 def _field_comments(cls) -> dict[str, str]:
@@ -51,7 +51,7 @@ def render(cls, prefix: str = "", seen=None) -> list[str]:
     hints = typing.get_type_hints(cls)
     comments = _field_comments(cls)
     for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
+        key = f"{prefix}{yaml_key(f)}"
         tp = hints[f.name]
         nested = [a for a in (tp, *typing.get_args(tp)) if isinstance(a, type) and issubclass(a, ConfigBase)]
         if nested:

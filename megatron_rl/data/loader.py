@@ -31,16 +31,20 @@ class PromptLoader:
         return order
 
     def next_batch(self) -> list:
-        batch = []
-        while len(batch) < self.batch_size:
+        return [self.records[i] for i in self.take(self.batch_size)]
+
+    def take(self, n: int) -> list[int]:
+        """Indices (into ``records``) of the next ``n`` prompts, in the order batches walk them."""
+        out: list[int] = []
+        while len(out) < n:
             if self.pos == len(self._order):
                 self.epoch += 1
                 self.pos = 0
                 self._order = self._permutation(self.epoch)
-            take = min(self.batch_size - len(batch), len(self._order) - self.pos)
-            batch.extend(self.records[i] for i in self._order[self.pos: self.pos + take])
-            self.pos += take
-        return batch
+            k = min(n - len(out), len(self._order) - self.pos)
+            out.extend(self._order[self.pos: self.pos + k])
+            self.pos += k
+        return out
 
     def __iter__(self):
         while True:

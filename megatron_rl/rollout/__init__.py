@@ -13,6 +13,10 @@ def make_engine(model_path: str, cfg: RolloutConfig, *, seed: int = 0, max_model
                 registry_dir: str | None = None, names: list[str] | None = None) -> RolloutEngine:
     """The engine ``cfg.engine`` names: the in-process engine, or the fleet of vLLM servers
     (found in ``registry_dir`` when launched, or at ``cfg.server_urls``)."""
+    if cfg.engine == "vllm" and cfg.async_.needs_streaming:
+        from megatron_rl.rollout.streaming import StreamingVLLMEngine
+
+        return StreamingVLLMEngine(model_path, cfg, seed=seed, max_model_len=max_model_len)
     if cfg.engine == "vllm":
         from megatron_rl.rollout.vllm_engine import VLLMEngine
 

@@ -77,13 +77,33 @@ class Completion:
     finish_reason: str  # "stop" | "length" | "abort"
     # The response hit the max length without an end-of-sequence token (the seed's "truncated").
     truncated: bool
-    # The verified weight version of the engine when the request was sent, and when its answer came
-    # back (they differ only if weights changed while the request was in flight: partial rollouts).
+    # Version of the weights that sampled the first token (the oldest; see ``version_spans``).
     weight_version: int = 0
-    weight_version_end: int | None = None
+    # Partial rollouts: ``(version, start, end)`` per segment of response tokens [start, end) sampled
+    # by one weight version, oldest first (vLLM's WeightVersionSpan). Empty: every token at
+    # ``weight_version``.
+    version_spans: list[tuple[int, int, int]] = field(default_factory=list)
     # Which engine sampled it.
     engine: str = ""
     extra: dict = field(default_factory=dict)
+
+    def token_versions(self) -> list[int]:
+        """The weight version that sampled each response token."""
+        if not self.version_spans:
+            return [self.weight_version] * len(self.token_ids)
+        out = [self.weight_version] * len(self.token_ids)
+        for version, start, end in self.version_spans:
+            out[start:end] = [version] * (end - start)
+        return out
+
+    @property
+    def newest_version(self) -> int:
+        return max((v for v, _, _ in self.version_spans), default=self.weight_version)
+
+    @property
+    def partial(self) -> bool:
+        """Sampled across a weight update (tokens of more than one version)."""
+        return len({v for v, _, _ in self.version_spans}) > 1
 
 
 class RolloutEngine(ABC):

@@ -11,6 +11,53 @@ PLACEMENTS = ("colocated", "dedicated", "external")
 
 
 @dataclass(kw_only=True)
+class AsyncConfig(ConfigBase):
+    """Asynchronous GRPO (``rollout.async``): generation overlaps training, and the step's groups
+    are drawn by one scheduler (``megatron_rl.trainer.async_rollout``) that also does DAPO's dynamic
+    sampling."""
+
+    # How many weight versions older than the trainer's a sample trained on may be (a sample's
+    # version is that of its oldest token). 0: today's loop exactly (generate, train, sync, in turn).
+    # 1: one-step-off: step k+1's rollouts are generated while step k trains. Higher values allowed.
+    max_staleness: int = 0
+    # At a weight update, requests in flight are frozen, the new weights loaded and generation
+    # resumed (vLLM's pause mode "keep"; their KV is recomputed with the new weights); each response
+    # records the version of each of its segments. Off: a weight update first waits for the
+    # requests in flight. Needs max_staleness >= 1 and the in-process engine (engine "vllm").
+    partial_rollout: bool = False
+    # Dispatch this fraction more prompts than a step needs (0.25: 25% more); the step takes the
+    # first groups to finish, the others keep generating for later steps, and a group older than
+    # max_staleness is dropped (and counted). Cuts the long tail. Needs the in-process engine.
+    oversample: float = 0.0
+    # DAPO dynamic sampling: keep drawing prompts until the step has rollout_batch_size groups with
+    # reward variance (zero-variance groups are generated, counted and dropped). Needs
+    # algo.filter_zero_variance_groups.
+    dynamic_sampling: bool = False
+    # Cap of dynamic sampling: at most this many times rollout_batch_size prompts are drawn for one
+    # step; a step that reaches it trains on the groups it has.
+    max_draw_factor: float = 3.0
+
+    @property
+    def enabled(self) -> bool:
+        """Anything but today's synchronous loop."""
+        return self.max_staleness > 0 or self.oversample > 0 or self.dynamic_sampling
+
+    @property
+    def needs_streaming(self) -> bool:
+        """Requests must be loaded with weights in flight or stopped early (a streaming engine)."""
+        return self.partial_rollout or self.oversample > 0
+
+    def validate(self) -> None:
+        super().validate()
+        self.check_range("max_staleness", lo=0)
+        self.check_range("oversample", lo=0.0)
+        self.check_range("max_draw_factor", lo=1.0)
+        if self.partial_rollout and self.max_staleness < 1:
+            self.fail("partial_rollout", "needs max_staleness >= 1 (a response sampled across a weight "
+                                         "update is one version old when it is trained on)")
+
+
+@dataclass(kw_only=True)
 class RolloutConfig(ConfigBase):
     # Which engine: "vllm" (one engine in the trainer's process: the CPU demo) or "vllm_server"
     # (vLLM server processes driven over HTTP through vLLM's RL API; see ``placement``).
@@ -73,6 +120,8 @@ class RolloutConfig(ConfigBase):
     timeout_s: float = 600.0
     # Greedy evaluation: how many tokens the evaluation may generate (defaults to max_response_len).
     eval_max_tokens: int | None = None
+    # Asynchronous GRPO and DAPO dynamic sampling: how far generation may run ahead of training.
+    async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
 
     def validate(self) -> None:
         super().validate()
@@ -105,6 +154,12 @@ class RolloutConfig(ConfigBase):
             self.fail("top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
         for name in ("timeout_s", "start_timeout_s", "control_timeout_s"):
             self.check_range(name, lo=0.0, lo_open=True)
+        if self.async_.needs_streaming and self.engine != "vllm":
+            what = "partial_rollout" if self.async_.partial_rollout else "oversample"
+            self.async_.fail(what, "needs an engine that loads weights with requests in flight and stops them "
+                              "early: rollout.engine='vllm' (the in-process engine); the server fleet has "
+                              "pause(mode='keep') / resume and per-token weight versions to build it on, "
+                              f"not wired into the scheduler yet; got engine={self.engine!r}")
 
     def expected_engines(self) -> int:
         """How many engines the trainer waits for."""

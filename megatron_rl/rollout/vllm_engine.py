@@ -61,39 +61,47 @@ class VLLMEngine(RolloutEngine):
                                 f"{timeout or self.cfg.timeout_s}s in {getattr(fn, '__name__', fn)}") from None
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
+        prompts, params = self.requests(prompt_ids, sampling)
+        outputs = self._call(lambda: self.llm.generate(prompts, params, use_tqdm=False))
+        return [self.group(out) for out in outputs]
+
+    @staticmethod
+    def requests(prompt_ids: list[list[int]], sampling: SamplingSpec) -> tuple[list, list]:
+        """vLLM prompts and sampling parameters (prompt i seeded with ``sampling.prompt_seed(i)``)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        def params(i: int) -> SamplingParams:
-            return SamplingParams(
-                n=sampling.n,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k if sampling.top_k > 0 else 0,
-                max_tokens=sampling.max_tokens,
-                seed=sampling.prompt_seed(i),
-                logprobs=0,
-                stop_token_ids=list(sampling.stop_token_ids) or None,
-            )
+        params = [SamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else 0,
+            max_tokens=sampling.max_tokens,
+            seed=sampling.prompt_seed(i),
+            logprobs=0,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+        ) for i in range(len(prompt_ids))]
+        return [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params
 
-        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
-        params = [params(i) for i in range(len(prompts))]
-        version = self.weight_version
-        outputs = self._call(lambda: self.llm.generate(prompts, params, use_tqdm=False))
-        result = []
-        for out in outputs:
-            group = []
-            for c in out.outputs:
-                ids = list(c.token_ids)
-                lps = [float(d[t].logprob) for t, d in zip(ids, c.logprobs or [])]
-                if len(lps) != len(ids):
-                    raise RuntimeError(f"{self.name}: engine returned {len(lps)} log-probs for {len(ids)} tokens")
-                group.append(Completion(token_ids=ids, logprobs=lps, text=c.text,
-                                        finish_reason=c.finish_reason or "abort",
-                                        truncated=c.finish_reason == "length",
-                                        weight_version=version, engine=self.name))
-            result.append(group)
-        return result
+    def group(self, out) -> list[Completion]:
+        """One vLLM ``RequestOutput`` (``n`` samples of a prompt) as completions.
+
+        vLLM labels the tokens each weight version sampled (``weight_versions`` spans, set with
+        ``set_weight_version``); without labels every token is at this engine's version."""
+        group = []
+        for c in out.outputs:
+            ids = list(c.token_ids)
+            lps = [float(d[t].logprob) for t, d in zip(ids, c.logprobs or [])]
+            if len(lps) != len(ids):
+                raise RuntimeError(f"{self.name}: engine returned {len(lps)} log-probs for {len(ids)} tokens")
+            spans = [(int(s.version), s.start, s.end) for s in (getattr(c, "weight_versions", None) or [])
+                     if s.end > s.start and str(s.version).lstrip("-").isdigit()]
+            group.append(Completion(token_ids=ids, logprobs=lps, text=c.text,
+                                    finish_reason=c.finish_reason or "abort",
+                                    truncated=c.finish_reason == "length",
+                                    weight_version=spans[0][0] if spans else self.weight_version,
+                                    version_spans=spans if len(spans) > 1 else [], engine=self.name))
+        return group
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
         """Load HF-named full tensors in place (vLLM's layerwise reload), reset the prefix cache,
@@ -102,12 +110,17 @@ class VLLMEngine(RolloutEngine):
         device = "cpu" if not torch.cuda.is_available() else None
         tensors = [(n, t.detach().to(device or t.device).contiguous()) for n, t in named_tensors]
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
-        self._call(lambda: self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": iter(tensors), "is_checkpoint_format": True}))
+        self._call(lambda: self.reload(tensors))
         self.reset_prefix_cache()
         self.weight_version = version
         return {"sync/bytes": float(nbytes), "sync/tensors": float(len(tensors)),
                 "sync/seconds": time.perf_counter() - t0}
+
+    def reload(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's in-place layerwise reload of HF-named tensors in every worker (call on the engine's
+        own thread)."""
+        self.llm.collective_rpc("reload_weights",
+                                kwargs={"weights_iterator": iter(tensors), "is_checkpoint_format": True})
 
     def reset_prefix_cache(self) -> None:
         self._call(self.llm.reset_prefix_cache)

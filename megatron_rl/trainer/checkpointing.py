@@ -11,12 +11,16 @@ import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_rl.data import PromptLoader
 from megatron_rl.trainer.config import StageConfig
 from megatron_rl.trainer.context import Context
 from megatron_rl.trainer.evaluate import sync_weights
 from megatron_rl.trainer.state import RunDir, TrainerState, capture_rng, restore_rng
+
+if TYPE_CHECKING:
+    from megatron_rl.trainer.async_rollout import RolloutScheduler
 
 log = logging.getLogger("megatron_rl")
 
@@ -72,8 +76,8 @@ def begin_stage(ctx: Context, stage: StageConfig) -> tuple[TrainerState, PromptL
         ctx.entropy_ctl.load_state_dict(state.entropy_controller)
     restore_rng(state.rng)
     if ckpt is not None or state.weight_version:
-        # The engine must hold the weights this stage starts from.
-        state.weight_version += 1
+        # The engine must hold the weights this stage starts from, under their own version (a
+        # version names weights: rollouts saved with a checkpoint keep their staleness).
         sync_weights(ctx, state.weight_version)
     return state, loader
 
@@ -96,9 +100,11 @@ def write_checkpoint(ctx: Context, ckpt: Path, state: TrainerState, loader: Prom
     ctx.groups.barrier()
 
 
-def save_checkpoint(ctx: Context, stage: StageConfig, state: TrainerState, loader: PromptLoader | None) -> Path:
+def save_checkpoint(ctx: Context, stage: StageConfig, state: TrainerState, loader: PromptLoader | None,
+                    rollouts: RolloutScheduler | None = None) -> Path:
+    """A resumable step checkpoint; with ``rollouts``, what is generated but not trained on yet too."""
     ckpt = ctx.run.step_dir(stage.name, state.step)
-    write_checkpoint(ctx, ckpt, state, loader)
+    write_checkpoint(ctx, ckpt, state, loader, also=rollouts.save if rollouts is not None else None)
     if ctx.is_driver:
         ctx.run.prune(stage.name, ctx.cfg.trainer.keep_checkpoints)
         log.info("stage %s: checkpoint %s", stage.name, ckpt)

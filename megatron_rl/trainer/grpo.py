@@ -8,11 +8,14 @@ import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+import torch
+
 from megatron_rl.algo import AlgoConfig
 from megatron_rl.common.metrics import reduce_metrics
 from megatron_rl.models.batch import SequenceBatch
 from megatron_rl.tracking.console import StageProgress
 from megatron_rl.trainer import phases
+from megatron_rl.trainer.async_rollout import RolloutScheduler, open_rollouts
 from megatron_rl.trainer.checkpointing import begin_stage, finish_stage, save_checkpoint
 from megatron_rl.trainer.config import StageConfig
 from megatron_rl.trainer.context import Context
@@ -50,43 +53,49 @@ class StepTimer:
 def train_stage(ctx: Context, stage: StageConfig) -> None:
     cfg = ctx.cfg
     state, loader = begin_stage(ctx, stage)
-    with StageProgress(stage.name, stage.max_steps, state.step, enabled=ctx.is_driver and cfg.tracking.console) as bar:
-        run_steps(ctx, stage, state, loader, bar)
-    if ctx.stop_agreed() and state.step < stage.max_steps:
-        if not RunDir.is_complete(ctx.run.step_dir(stage.name, state.step)):  # not just saved periodically
-            save_checkpoint(ctx, stage, state, loader)
-        return
+    rollouts = open_rollouts(ctx, stage, state, loader)  # the driver's source of rollouts (rollout.async)
+    try:
+        with StageProgress(stage.name, stage.max_steps, state.step, enabled=ctx.is_driver and cfg.tracking.console) as bar:
+            run_steps(ctx, stage, state, loader, rollouts, bar)
+        if ctx.stop_agreed() and state.step < stage.max_steps:
+            if not RunDir.is_complete(ctx.run.step_dir(stage.name, state.step)):  # not just saved periodically
+                save_checkpoint(ctx, stage, state, loader, rollouts)
+            return
+    finally:
+        if rollouts is not None:
+            rollouts.close()
     finish_stage(ctx, stage, state, loader)
 
 
 def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: PromptLoader | None,
-              bar: StageProgress) -> None:
+              rollouts: RolloutScheduler | None, bar: StageProgress) -> None:
     cfg = ctx.cfg
     while state.step < stage.max_steps and not ctx.stop_agreed():
         timer = StepTimer()
         metrics: dict = {}
         batch = None
-        if ctx.is_driver:
-            records = loader.next_batch()
-            with timer("gen"):
-                ctx.engines_wake()
-                ro = phases.generate(ctx.engine, records, cfg.rollout, stage.max_response_len,
-                                     seed=phases.sampling_seed(cfg.trainer.seed, state.global_step))
+        if ctx.is_driver:  # generate + score (timed "gen" / "reward"), as soon as rollout.async allows
+            ctx.engines_wake()
+            ro, m = rollouts.next_rollout(state.step, state.global_step, state.weight_version, timer)
+            if not cfg.rollout.async_.enabled:  # colocated on GPUs: nothing generates while training
                 ctx.engines_sleep()
-            with timer("reward"):
-                metrics.update(phases.score(ctx.reward_mgr, ro))
-            metrics.update(phases.rollout_metrics(ro, cfg.algo.correct_reward))
-            batch, m = phases.make_batch(ro, cfg.algo)
+            m.update(ctx.engine.pop_metrics())  # the fleet's re-sent requests, engines up / down
             metrics.update(m)
+            if ro is not None:
+                metrics.update(phases.rollout_metrics(ro, cfg.algo.correct_reward))
+                batch, m = phases.make_batch(ro, cfg.algo)
+                metrics.update(m)
         batch = ctx.broadcast(batch)
         if batch is not None:
             with timer("logprob"):
-                metrics.update(add_old_logprobs(ctx.policy, batch, cfg.algo, cfg.rollout.temperature))
+                metrics.update(add_old_logprobs(ctx.policy, batch, cfg.algo, cfg.rollout.temperature,
+                                                state.weight_version))
             with timer("update"):
                 metrics.update(update_policy(ctx.policy, batch, cfg.algo, cfg.rollout.temperature,
                                              alpha=ctx.entropy_ctl.alpha,
                                              max_response_len=stage.max_response_len))
             with timer("sync"):
+                metrics.update(rollouts.before_sync() if rollouts is not None else {})
                 state.weight_version += 1
                 metrics.update(sync_weights(ctx, state.weight_version))
         else:
@@ -104,24 +113,39 @@ def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: Pro
             bar.advance(state.step, metrics)
         stop = plateaued(state, stage, ctx.broadcast(metrics.get("eval/accuracy")))
         if cfg.trainer.save_every and state.step % cfg.trainer.save_every == 0:
-            save_checkpoint(ctx, stage, state, loader)
+            save_checkpoint(ctx, stage, state, loader, rollouts)
         if stop:
             log.info("stage %s: validation accuracy plateaued at step %d", stage.name, state.step)
             break
 
 
-def add_old_logprobs(policy: MegatronPolicy, batch: SequenceBatch, a: AlgoConfig, temperature: float) -> dict:
+def add_old_logprobs(policy: MegatronPolicy, batch: SequenceBatch, a: AlgoConfig, temperature: float,
+                     version: int) -> dict:
     """Old-policy log-probs recomputed by the trainer at the sampling temperature (step 4).
 
-    Strictly on-policy (one pass, one mini-batch, no mismatch correction) the old policy is the
-    current one, so the recompute is skipped and the loss uses the training forward's log-probs.
+    Strictly on-policy (one pass, one mini-batch, no mismatch correction) with every token sampled
+    by the current weights (``version``), the old policy is the current one, so the recompute is
+    skipped and the loss uses the training forward's log-probs. A rollout from older weights
+    (rollout.async) is always recomputed; TIS / IcePop then weigh it with the engine's log-probs.
     """
-    if a.n_sgd == 1 and a.mini_batches == 1 and a.mismatch.mode == "none":
+    versions = batch.token_fields.get("weight_version")
+    behind = versions is not None and any(bool((v != version).any()) for v in versions)
+    if a.n_sgd == 1 and a.mini_batches == 1 and a.mismatch.mode == "none" and not behind:
         return {}
     logp, _ = policy.compute_logprobs(batch, temperature, with_entropy=False)
     batch.token_fields["old_logp"] = logp
     gap = [(lp - rl).abs().mean().item() for lp, rl in zip(logp, batch.token_fields["rollout_logp"])]
-    return {"rollout/train_infer_logp_gap": sum(gap) / max(1, len(gap))}
+    metrics = {"rollout/train_infer_logp_gap": sum(gap) / max(1, len(gap))}
+    if behind:
+        metrics.update(logp_gap_by_staleness(logp, batch.token_fields["rollout_logp"], versions, version))
+    return metrics
+
+
+def logp_gap_by_staleness(logp: list, rollout_logp: list, versions: list, version: int) -> dict:
+    """Mean |trainer - engine| log-prob over the tokens sampled ``d`` versions ago, for each ``d``."""
+    diff = torch.cat([(lp - rl).abs() for lp, rl in zip(logp, rollout_logp)])
+    stale = torch.cat([version - v for v in versions])
+    return {f"async/logp_gap_staleness_{d}": diff[stale == d].mean().item() for d in stale.unique().tolist()}
 
 
 def update_policy(policy: MegatronPolicy, batch: SequenceBatch, a: AlgoConfig, temperature: float, *,

@@ -7,7 +7,7 @@ phase takes the components and the config section it uses (``rollout``, ``algo``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,8 +27,6 @@ class Rollout:
     group_ids: torch.Tensor  # [B*n] index of the prompt each completion answers
     rewards: torch.Tensor | None = None
     truncated: torch.Tensor | None = None
-    # The engine's counters for this generation (a fleet: rollout/requeued_requests, engines up).
-    engine_metrics: dict = field(default_factory=dict)
 
 
 def sampling_seed(run_seed: int, global_step: int) -> int:
@@ -45,8 +43,7 @@ def generate(engine: RolloutEngine, records: list[PromptRecord], r: RolloutConfi
     flat = [c for g in groups for c in g]
     gids = torch.tensor([i for i, g in enumerate(groups) for _ in g], dtype=torch.long)
     return Rollout(records=records, completions=flat, group_ids=gids,
-                   truncated=torch.tensor([c.truncated for c in flat], dtype=torch.bool),
-                   engine_metrics=engine.pop_metrics())
+                   truncated=torch.tensor([c.truncated for c in flat], dtype=torch.bool))
 
 
 def reward_item(record: PromptRecord, response: str) -> RewardItem:
@@ -80,7 +77,6 @@ def rollout_metrics(ro: Rollout, correct_reward: float) -> dict:
         "rollout/response_length_mean": lengths.mean().item(),
         "rollout/response_length_max": lengths.max().item(),
         "rollout/response_length_min": lengths.min().item(),
-        **ro.engine_metrics,
     }
 
 
@@ -97,7 +93,9 @@ def make_batch(ro: Rollout, algo: AlgoConfig) -> tuple[SequenceBatch | None, dic
     batch = SequenceBatch(
         sequences=[list(r.prompt_ids) + list(c.token_ids) for r, c in zip(recs, comps)],
         prompt_lens=[len(r.prompt_ids) for r in recs],
-        token_fields={"rollout_logp": [torch.tensor(c.logprobs, dtype=torch.float32) for c in comps]},
+        token_fields={"rollout_logp": [torch.tensor(c.logprobs, dtype=torch.float32) for c in comps],
+                      # the weight version that sampled each token (async GRPO: older than the trainer's)
+                      "weight_version": [torch.tensor(c.token_versions(), dtype=torch.long) for c in comps]},
         seq_fields={"advantages": adv[idx].float()},
     )
     metrics["batch/tokens"] = float(sum(len(c.token_ids) for c in comps))

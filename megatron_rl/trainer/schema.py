@@ -82,6 +82,9 @@ def validate_cross(cfg: RunConfig) -> None:
     if not servers and cfg.sync.transport != "inprocess":
         raise ConfigError("sync.transport", f"'{cfg.sync.transport}' drives vLLM servers: it needs "
                                             "rollout.engine='vllm_server' (the in-process engine uses 'inprocess')")
+    if cfg.rollout.async_.dynamic_sampling and not cfg.algo.filter_zero_variance_groups:
+        raise ConfigError("rollout.async.dynamic_sampling", "keeps drawing until the step has groups with reward "
+                                                            "variance: it needs algo.filter_zero_variance_groups=true")
     n_mb = cfg.algo.mini_batches
     if cfg.rollout.rollout_batch_size % n_mb:
         raise ConfigError("algo.mini_batches", f"must divide rollout.rollout_batch_size="

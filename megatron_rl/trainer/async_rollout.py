@@ -1,0 +1,409 @@
+"""Where a step's rollout comes from: one scheduler for the synchronous loop and asynchronous GRPO.
+
+``rollout.async`` (:class:`~megatron_rl.rollout.config.AsyncConfig`) sets how far generation may
+run ahead of training. Prompts are drawn in *waves*: wave ``j`` is step ``j``'s
+``rollout_batch_size`` prompts (times ``1 + oversample``), sampled with step ``j``'s seed, so the
+data order and the sampling seeds never depend on timing. Wave ``j`` is dispatched as soon as the
+engine's weights are at most ``max_staleness`` versions behind what step ``j`` will train:
+
+- ``max_staleness=0``: wave ``j`` is dispatched when step ``j`` asks for it, and waited for: today's
+  loop, exactly (same prompts, seeds, one reward call).
+- ``max_staleness>=1``: one-step-off. Wave ``j+1`` is generated while step ``j`` trains; before
+  the weight sync the engine finishes it (or, with ``partial_rollout``, keeps it running across the
+  update: its later tokens come from the new weights, and each token records its version). Waves
+  are never dispatched more than one step ahead: staleness beyond 1 is slack for leftovers.
+
+A step takes the first groups to finish among the waves up to its own; a group whose oldest token
+is more than ``max_staleness`` versions behind the trainer is dropped (and counted); leftovers that
+can no longer be trained on in time are aborted. With ``dynamic_sampling``, groups without reward
+variance are dropped (counted) and replaced by new draws, up to ``max_draw_factor`` waves' worth.
+
+Rewards are scored on the trainer's thread when a step collects its groups; generation runs on the
+engine's thread (:mod:`megatron_rl.rollout.streaming`). Everything not yet trained on is saved with
+the checkpoint (finished groups in full; groups still generating are redrawn on resume from the
+same prompts and seeds, at the checkpoint's weights).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_rl.algo import AlgoConfig, filter_groups
+from megatron_rl.data import PromptLoader
+from megatron_rl.rewards import RewardManager
+from megatron_rl.rollout import Completion, RolloutConfig, RolloutEngine, SamplingSpec
+from megatron_rl.rollout.streaming import BackgroundGenerate, GroupStream
+from megatron_rl.trainer.config import StageConfig
+from megatron_rl.trainer.context import Context
+from megatron_rl.trainer.phases import Rollout, reward_item, sampling_seed
+from megatron_rl.trainer.state import TrainerState
+
+log = logging.getLogger("megatron_rl")
+
+STATE_FILE = "rollouts.pt"
+# RUN_DIR/async_samples.jsonl: per step, the weight versions of every response trained on.
+SAMPLE_LOG = "async_samples.jsonl"
+
+
+def open_rollouts(ctx: Context, stage: StageConfig, state: TrainerState,
+                  loader: PromptLoader | None) -> RolloutScheduler | None:
+    """The driver's scheduler for ``stage``, with what the checkpoint it resumes from saved."""
+    if not ctx.is_driver:
+        return None
+    cfg = ctx.cfg
+    rollouts = RolloutScheduler(ctx.engine, loader, ctx.reward_mgr, cfg.rollout, cfg.algo,
+                                run_seed=cfg.trainer.seed, max_response_len=stage.max_response_len,
+                                step=state.step, sample_log=ctx.run.root / SAMPLE_LOG, stage=stage.name)
+    if rollouts.restore(ctx.run.latest_step_checkpoint(stage.name), state.weight_version,
+                        state.global_step, state.step):
+        log.info("stage %s: %d groups generated before the checkpoint, %d redrawn", stage.name,
+                 len(rollouts.done), len(rollouts.in_flight))
+    return rollouts
+
+
+@dataclass
+class Group:
+    """One prompt's ``group_size`` samples, from dispatch to training."""
+
+    wave: int  # the step the prompt was drawn for
+    index: int  # its position among that step's draws (its seed offset)
+    record: int  # index into the loader's records
+    dispatch_version: int  # the engine's weights when it was dispatched
+    completions: list[Completion] | None = None
+    rewards: list[float] | None = None
+
+    @property
+    def tag(self) -> tuple[int, int]:
+        return (self.wave, self.index)
+
+    @property
+    def version(self) -> int:
+        """Its oldest token's weight version."""
+        return min(c.weight_version for c in self.completions) if self.completions else self.dispatch_version
+
+
+@dataclass
+class _Step:
+    """What one step's collection saw (its metrics)."""
+
+    reward_calls: list[tuple[dict, list[dict]]] = field(default_factory=list)
+    generated: int = 0  # groups of this step's waves that finished (and were scored)
+    dropped_stale: int = 0
+    dropped_zero_variance: int = 0
+    aborted: int = 0
+    drawn: int = 0
+    wait_s: float = 0.0
+
+
+def merge_reward_metrics(calls: list[tuple[dict, list[dict]]]) -> dict:
+    """One step's reward metrics from several reward calls: counts add up, means are recomputed
+    from the per-sample details (one call: its metrics unchanged)."""
+    if len(calls) == 1:
+        return dict(calls[0][0])
+    out: dict = {}
+    for metrics, _ in calls:
+        for k, v in metrics.items():
+            out[k] = out.get(k, 0.0) + v
+    details = [d for _, ds in calls for d in ds]
+    out["reward/mean"] = sum(d["score"] for d in details) / max(len(details), 1)
+    for style in {d["style"] for d in details}:
+        vals = [d["score"] for d in details if d["style"] == style]
+        out[f"reward/{style}/mean"] = sum(vals) / len(vals)
+    return out
+
+
+class RolloutScheduler:
+    """The driver's source of rollouts for one stage (see the module docstring)."""
+
+    def __init__(self, engine: RolloutEngine, loader: PromptLoader, reward_mgr: RewardManager,
+                 r: RolloutConfig, algo: AlgoConfig, *, run_seed: int, max_response_len: int,
+                 step: int = 0, sample_log: Path | None = None, stage: str = ""):
+        """``step``: the stage's next step (its wave is the first to draw). ``sample_log``: a JSONL
+        file that gets, per step with rollout.async on, the weight versions (oldest, newest token)
+        of every response trained on."""
+        self.r, self.algo, self.run_seed = r, algo, run_seed
+        self.sample_log, self.stage = sample_log, stage
+        self.acfg = r.async_
+        self.loader = loader
+        self.reward_mgr = reward_mgr
+        self.max_response_len = max_response_len
+        self.stream: GroupStream = engine if isinstance(engine, GroupStream) else BackgroundGenerate(engine)
+        if self.acfg.needs_streaming and not (self.stream.keeps_in_flight and self.stream.can_abort):
+            raise ValueError(f"rollout.async: partial_rollout / oversample need an engine that loads weights "
+                             f"with requests in flight; {type(engine).__name__} cannot")
+        self.n = r.rollout_batch_size
+        self.per_wave = self.n + round(self.n * self.acfg.oversample)
+        self.next_wave = step  # the first wave not dispatched yet
+        self.drawn: dict[int, int] = {}  # wave -> prompts drawn for it so far
+        self.in_flight: dict[tuple[int, int], Group] = {}
+        self.done: list[Group] = []  # finished, not scored yet (arrival order)
+        self.ready: list[Group] = []  # finished and scored, not trained on (arrival order)
+        self._inbox: queue.Queue = queue.Queue()
+        self._step = _Step()
+        self._busy_mark = self.stream.busy_seconds()
+        self._time_mark = time.perf_counter()
+
+    # -- the loop's calls -------------------------------------------------------------------------
+    def next_rollout(self, step: int, global_step: int, version: int, timer) -> tuple[Rollout | None, dict]:
+        """Step ``step``'s groups (``version``: the trainer's weights) and the collection's metrics."""
+        s = self.acfg.max_staleness
+        self._step = st = _Step()
+        self._dispatch_ahead(step, global_step, version)
+        taken: list[Group] = []
+        resolved: list[Group] = []  # taken + dropped for zero variance, in arrival order
+        while True:
+            self._receive(block=False)
+            mine = [g for g in self.done if g.wave <= step]  # later waves are scored in their step
+            if mine:
+                with timer("reward"):
+                    self._score(mine)
+                self.done = [g for g in self.done if g.wave > step]
+                self.ready.extend(mine)
+            for g in [g for g in self.ready if g.wave <= step]:
+                if len(taken) == self.n:
+                    break
+                self.ready.remove(g)
+                if version - g.version > s:
+                    st.dropped_stale += 1
+                elif self.acfg.dynamic_sampling and not self._has_variance(g):
+                    st.dropped_zero_variance += 1
+                    resolved.append(g)
+                else:
+                    taken.append(g)
+                    resolved.append(g)
+            if len(taken) == self.n:
+                break
+            if not any(g.wave <= step for g in self.in_flight.values()):
+                missing = self.n - len(taken)
+                cap = round(self.acfg.max_draw_factor * self.n)
+                room = cap - self.drawn.get(step, 0)
+                if not self.acfg.dynamic_sampling or room <= 0:
+                    break  # train on what there is
+                self._dispatch(step, global_step, version, min(room, missing))
+            with timer("gen"):
+                t0 = time.perf_counter()
+                self._receive(block=True)
+                st.wait_s += time.perf_counter() - t0
+        self._drop_hopeless(step, version)
+        metrics = merge_reward_metrics(st.reward_calls) if st.reward_calls else {}
+        if self.acfg.enabled:
+            metrics.update(self._metrics(taken, version))
+            self._log_versions(step, global_step, version, taken)
+        if not resolved:
+            return None, metrics
+        return self._as_rollout(resolved), metrics
+
+    def before_sync(self) -> dict:
+        """Before a weight update: without partial rollouts, the requests in flight finish first."""
+        report = {"async/sync_wait_s": 0.0} if self.acfg.enabled else {}
+        if self.acfg.partial_rollout or not self.stream.in_flight():
+            return report
+        t0 = time.perf_counter()
+        deadline = t0 + self.r.timeout_s
+        while self.stream.in_flight():
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"rollout.async: requests in flight did not finish within "
+                                   f"rollout.timeout_s={self.r.timeout_s}s before a weight update")
+            time.sleep(0.005)
+        return {k: time.perf_counter() - t0 for k in report}
+
+    def close(self) -> None:
+        """End of the stage: stop what is in flight (or let it finish) and forget the leftovers."""
+        if self.in_flight and self.stream.can_abort:
+            self.stream.abort(list(self.in_flight))
+        elif self.in_flight:
+            self.before_sync()
+        if isinstance(self.stream, BackgroundGenerate):
+            self.stream.close()
+        self.in_flight.clear()
+        self.done, self.ready = [], []
+
+    # -- checkpoint -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything not trained on yet; groups still generating are kept as (prompt, seed) and
+        redrawn on resume."""
+        self._receive(block=False)
+        groups = []
+        for g in self.ready + self.done:
+            groups.append({"wave": g.wave, "index": g.index, "record": g.record,
+                           "dispatch_version": g.dispatch_version,
+                           "completions": [_completion_dict(c) for c in g.completions]})
+        for g in self.in_flight.values():
+            groups.append({"wave": g.wave, "index": g.index, "record": g.record,
+                           "dispatch_version": g.dispatch_version, "completions": None})
+        return {"next_wave": self.next_wave, "drawn": dict(self.drawn), "groups": groups}
+
+    def load_state_dict(self, state: dict, version: int, global_step: int, step: int) -> None:
+        if self.acfg.max_staleness == 0 and state["groups"]:  # generated ahead, now too old to train on
+            log.warning("rollouts: the checkpoint holds %d groups generated ahead, but rollout.async."
+                        "max_staleness is 0 now: dropped (their prompts are skipped)", len(state["groups"]))
+            self.next_wave = step
+            return
+        self.next_wave = int(state["next_wave"])
+        self.drawn = {int(k): int(v) for k, v in state["drawn"].items()}
+        redraw: dict[int, list[Group]] = {}
+        for d in state["groups"]:
+            g = Group(wave=d["wave"], index=d["index"], record=d["record"], dispatch_version=d["dispatch_version"])
+            if d["completions"] is None:
+                g.dispatch_version = version
+                redraw.setdefault(g.wave, []).append(g)
+            else:
+                g.completions = [Completion(**{**c, "version_spans": [tuple(x) for x in c["version_spans"]]})
+                                 for c in d["completions"]]
+                self.done.append(g)
+        for wave, gs in sorted(redraw.items()):
+            self._submit(wave, global_step + (wave - step), gs)
+
+    def save(self, ckpt) -> None:
+        torch.save(self.state_dict(), ckpt / STATE_FILE)
+
+    def restore(self, ckpt, version: int, global_step: int, step: int) -> bool:
+        path = None if ckpt is None else ckpt / STATE_FILE
+        if path is None or not path.exists():
+            return False
+        self.load_state_dict(torch.load(path, weights_only=True), version, global_step, step)
+        return True
+
+    # -- internals --------------------------------------------------------------------------------
+    def _dispatch_ahead(self, step: int, global_step: int, version: int) -> None:
+        """Waves up to one step ahead (none with max_staleness 0). Staleness beyond 1 is the slack
+        that leftovers (oversampled groups, the long tail) may use in later steps."""
+        while self.next_wave <= step + min(self.acfg.max_staleness, 1):
+            wave = self.next_wave
+            self._dispatch(wave, global_step + (wave - step), version, self.per_wave - self.drawn.get(wave, 0))
+            self.next_wave += 1
+
+    def _dispatch(self, wave: int, global_step: int, version: int, count: int) -> None:
+        if count <= 0:
+            return
+        first = self.drawn.get(wave, 0)
+        records = self.loader.take(count)
+        self.drawn[wave] = first + count
+        self._step.drawn += count
+        groups = [Group(wave=wave, index=first + i, record=r, dispatch_version=version) for i, r in enumerate(records)]
+        self._submit(wave, global_step, groups)
+
+    def _submit(self, wave: int, global_step: int, groups: list[Group]) -> None:
+        """Groups of one wave; consecutive indices go in one call (prompt i seeded base + index)."""
+        r = self.r
+        base = sampling_seed(self.run_seed, global_step)
+        runs: list[list[Group]] = []
+        for g in sorted(groups, key=lambda g: g.index):
+            if runs and runs[-1][-1].index + 1 == g.index:
+                runs[-1].append(g)
+            else:
+                runs.append([g])
+        for run in runs:
+            spec = SamplingSpec(n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                max_tokens=self.max_response_len, seed=base + run[0].index)
+            for g in run:
+                self.in_flight[g.tag] = g
+            self.stream.submit([self.loader.records[g.record].prompt_ids for g in run], spec,
+                               [g.tag for g in run], self._inbox.put)
+
+    def _receive(self, block: bool) -> None:
+        """Move delivered groups from the engine's thread into ``done`` (arrival order)."""
+        timeout = self.r.timeout_s
+        while True:
+            try:
+                batch = self._inbox.get(block=block, timeout=timeout if block else None)
+            except queue.Empty:
+                if block:
+                    raise TimeoutError(f"rollout.async: no group finished within rollout.timeout_s={timeout}s")
+                return
+            block = False
+            for tag, result in batch:
+                g = self.in_flight.pop(tag, None)
+                if g is None:  # aborted meanwhile
+                    continue
+                if isinstance(result, BaseException):
+                    raise RuntimeError(f"rollout engine failed on prompt {tag}: {result}") from result
+                g.completions = result
+                self.done.append(g)
+
+    def _score(self, groups: list[Group]) -> None:
+        records = self.loader.records
+        items = [reward_item(records[g.record], c.text) for g in groups for c in g.completions]
+        scores, metrics, details = self.reward_mgr.score(items, return_details=True)
+        self._step.reward_calls.append((metrics, details))
+        self._step.generated += len(groups)
+        k = 0
+        for g in groups:
+            g.rewards = scores[k: k + len(g.completions)]
+            k += len(g.completions)
+
+    def _has_variance(self, g: Group) -> bool:
+        rewards = torch.tensor(g.rewards, dtype=torch.float32)
+        keep, _ = filter_groups(rewards, torch.zeros(len(g.rewards), dtype=torch.long), self.algo)
+        return bool(keep.all())
+
+    def _drop_hopeless(self, step: int, version: int) -> None:
+        """Leftovers of this step's waves that will be too old by the next step: stop / forget."""
+        s = self.acfg.max_staleness
+        for g in [g for g in self.ready if g.wave <= step and version + 1 - g.version > s]:
+            self.ready.remove(g)
+            self._step.dropped_stale += 1
+        hopeless = [t for t, g in self.in_flight.items() if g.wave <= step and version + 1 - g.dispatch_version > s]
+        if hopeless and self.stream.can_abort:
+            self.stream.abort(hopeless)
+            for t in hopeless:
+                self.in_flight.pop(t)
+            self._step.aborted += len(hopeless)
+
+    def _as_rollout(self, groups: list[Group]) -> Rollout:
+        records = [self.loader.records[g.record] for g in groups]
+        flat = [c for g in groups for c in g.completions]
+        gids = torch.tensor([i for i, g in enumerate(groups) for _ in g.completions], dtype=torch.long)
+        return Rollout(records=records, completions=flat, group_ids=gids,
+                       rewards=torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32),
+                       truncated=torch.tensor([c.truncated for c in flat], dtype=torch.bool))
+
+    def _log_versions(self, step: int, global_step: int, version: int, taken: list[Group]) -> None:
+        if self.sample_log is None:
+            return
+        row = {"stage": self.stage, "step": global_step + 1, "stage_step": step, "trainer_version": version,
+               "versions": [[c.weight_version, c.newest_version] for g in taken for c in g.completions]}
+        with open(self.sample_log, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def _metrics(self, taken: list[Group], version: int) -> dict:
+        st = self._step
+        s = self.acfg.max_staleness
+        comps = [c for g in taken for c in g.completions]
+        stale = [version - c.weight_version for c in comps]
+        now, busy = time.perf_counter(), self.stream.busy_seconds()
+        window, busy_delta = now - self._time_mark, busy - self._busy_mark
+        self._time_mark, self._busy_mark = now, busy
+        m = {
+            "async/staleness_mean": sum(stale) / max(len(stale), 1),
+            "async/staleness_max": float(max(stale, default=0)),
+            "async/partial_frac": sum(c.partial for c in comps) / max(len(comps), 1),
+            "async/groups_generated": float(st.generated),
+            "async/groups_trained": float(len(taken)),
+            "async/groups_dropped_stale": float(st.dropped_stale),
+            "async/groups_dropped_zero_variance": float(st.dropped_zero_variance),
+            "async/groups_aborted": float(st.aborted),
+            "async/prompts_drawn": float(st.drawn),
+            "async/groups_in_flight": float(len(self.in_flight)),
+            "async/groups_buffered": float(len(self.ready) + len(self.done)),
+            "async/trainer_wait_s": st.wait_s,
+            "async/engine_idle_s": max(0.0, window - busy_delta),
+        }
+        for d in range(s + 1):
+            m[f"async/staleness_{d}"] = sum(x == d for x in stale) / max(len(stale), 1)
+        return m
+
+
+def _completion_dict(c: Completion) -> dict:
+    return {"token_ids": list(c.token_ids), "logprobs": list(c.logprobs), "text": c.text,
+            "finish_reason": c.finish_reason, "truncated": bool(c.truncated),
+            "weight_version": int(c.weight_version), "version_spans": [list(s) for s in c.version_spans],
+            "extra": dict(c.extra)}

