@@ -213,7 +213,7 @@ class VLLMServer(RolloutEngine):
     async def submit(self, prompt_ids: list[int], sampling: SamplingSpec,
                      request_id: str | None = None) -> list[Completion]:
         """``sampling.n`` samples of one prompt; each carries the weight versions its tokens were
-        sampled with (from the server's spans: they differ if weights changed mid-request)."""
+        sampled with (vLLM's weight-version spans: ``version_spans`` when weights changed mid-request)."""
         body = generate_body(prompt_ids, sampling, request_id)
         version = self.weight_version
         where = f"engine {self.name} ({self.url})"
@@ -229,13 +229,13 @@ class VLLMServer(RolloutEngine):
             raise kind(f"{where}: HTTP {resp.status_code}: {resp.text[:500]}")
         out = []
         for c in parse_choices(resp.json(), sampling.n, where):
-            spans = c["spans"]
-            first = version_of(spans[0]["version"], version) if spans else version
-            last = version_of(spans[-1]["version"], version) if spans else version
+            spans = [(version_of(sp["version"], version), sp["start"], sp["end"]) for sp in c["spans"]
+                     if sp["end"] > sp["start"]]
             out.append(Completion(token_ids=c["token_ids"], logprobs=c["logprobs"], text=c["text"],
                                   finish_reason=c["finish_reason"], truncated=c["finish_reason"] == "length",
-                                  weight_version=first, weight_version_end=last, engine=self.name,
-                                  extra={"weight_versions": spans} if len(spans) > 1 else {}))
+                                  weight_version=spans[0][0] if spans else version,
+                                  version_spans=spans if len({v for v, _, _ in spans}) > 1 else [],
+                                  engine=self.name))
         return out
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
