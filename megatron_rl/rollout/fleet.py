@@ -142,32 +142,36 @@ class EngineFleet(RolloutEngine):
         """Check the engines before a sync: a DOWN engine that answers /health again rejoins; a
         live one that answers but reports other weights than it was verified with (it restarted)
         rejoins too. Returns the engines that are rejoining."""
-        rejoining = []
-        for slot in self._slots:
-            engine = slot.engine
-            if slot.state is EngineState.DOWN:
-                url = self._locate(engine.name) if self._locate is not None else None
-                if url is not None and hasattr(engine, "retarget"):
-                    engine.retarget(url)
-                if not engine.health():
-                    continue
-                connect = getattr(engine, "connect", None)
-                try:
-                    if connect is not None:
-                        connect()
-                except EngineError:
-                    continue
-            elif slot.state is EngineState.UP:
-                reported = _reported_version(engine)
-                if reported is None or reported == str(engine.weight_version):
-                    continue
-                log.warning("engine %s reports weight version %r, verified %d: it restarted",
-                            engine.name, reported, engine.weight_version)
-                engine.weight_version = UNKNOWN_VERSION
-            with self._lock:
-                slot.state, slot.reason = EngineState.JOINING, ""
-            rejoining.append(engine)
-        return rejoining
+        with cf.ThreadPoolExecutor(max_workers=len(self._slots), thread_name_prefix="probe") as pool:
+            rejoined = list(pool.map(self._probe_one, self._slots))
+        return [slot.engine for slot, yes in zip(self._slots, rejoined) if yes]
+
+    def _probe_one(self, slot: _Slot) -> bool:
+        engine = slot.engine
+        if slot.state is EngineState.DOWN:
+            url = self._locate(engine.name) if self._locate is not None else None
+            if url is not None and hasattr(engine, "retarget"):
+                engine.retarget(url)
+            if not engine.health():
+                return False
+            connect = getattr(engine, "connect", None)
+            try:
+                if connect is not None:
+                    connect()
+            except EngineError:
+                return False
+        elif slot.state is EngineState.UP:
+            reported = _reported_version(engine)
+            if reported is None or reported == str(engine.weight_version):
+                return False
+            log.warning("engine %s reports weight version %r, verified %d: it restarted",
+                        engine.name, reported, engine.weight_version)
+            engine.weight_version = UNKNOWN_VERSION
+        else:
+            return False
+        with self._lock:
+            slot.state, slot.reason = EngineState.JOINING, ""
+        return True
 
     # ------------------------------------------------------------------------------- dispatch
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:

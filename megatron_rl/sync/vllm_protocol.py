@@ -246,7 +246,7 @@ class ServerWeightSync(WeightSync):
         else:
             metrics.bytes = sum(m.dtype.itemsize * _numel(m.shape) for m in self.source.metadata())
             metrics.tensors = len(self.source.metadata())
-        for engine in members:
+        def settle(engine) -> None:  # per engine, all engines at once (each is a few HTTP calls)
             if engine.name not in failures:
                 try:
                     self._commit(engine, version)
@@ -254,6 +254,9 @@ class ServerWeightSync(WeightSync):
                     failures[engine.name] = str(exc)
             if engine.name in failures:
                 self._fail(engine, failures[engine.name])
+
+        with cf.ThreadPoolExecutor(max_workers=len(members), thread_name_prefix="wt-commit") as pool:
+            list(pool.map(settle, members))
         metrics.seconds = time.perf_counter() - t0
         metrics.failures = failures
         metrics.failed_engines = len(failures)
