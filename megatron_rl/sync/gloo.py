@@ -42,6 +42,7 @@ from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactor
                                                       WeightTransferTrainerFactory)
 from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
+from megatron_rl.rollout.reload import refresh_tied_layers
 from megatron_rl.sync.buckets import (bucket_nbytes, group_by_dtype, hash_tensor, meta_tensors, nbytes,
                                       pack)
 from megatron_rl.sync.group import allgather, broadcast, host_store, make_group, wait_works
@@ -139,6 +140,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
             self.reloading = False
             finalize_layerwise_reload(self.model, self.model_config)
+            refresh_tied_layers(self.model)  # a tied output layer's packed copy follows the embedding
 
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which CPU builds lack; the

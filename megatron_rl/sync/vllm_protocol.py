@@ -9,7 +9,9 @@ every worker of every engine.
 :class:`ServerWeightSync` is the :class:`~megatron_rl.sync.base.WeightSync` on top, and keeps what
 vLLM leaves to the caller: which engines take part (the fleet's live and rejoining engines; the group
 is re-formed when that set changes), per-engine verification (one checksum per packed bucket where the
-backend reports them, then each of :attr:`ServerWeightSync.checks`), the prefix-cache reset, each
+backend reports them, then each of :attr:`ServerWeightSync.checks`, then the probe: every engine
+scores a fixed sequence and must match the trainer's log-probs, :mod:`megatron_rl.sync.probe`), the
+prefix-cache reset, each
 engine's verified version (:data:`UNKNOWN_VERSION` after a failed sync: it then serves nothing),
 timeouts, and the ``sync/*`` metrics. An engine that died is taken out of the fleet; one that failed
 but answers rejoins the next sync.
@@ -32,6 +34,7 @@ from megatron_rl.rollout.base import UNKNOWN_VERSION, EngineError, RolloutEngine
 from megatron_rl.rollout.fleet import EngineState
 from megatron_rl.sync.base import (Metadata, NamedTensors, SyncError, SyncMetrics, SyncMismatch,
                                    SyncTimeout, WeightSync, drain)
+from megatron_rl.sync import probe
 from megatron_rl.sync.config import SyncConfig
 
 log = logging.getLogger("megatron_rl")
@@ -158,7 +161,7 @@ class ServerWeightSync(WeightSync):
         self.transport = transport
         self.source = StreamSource(metadata)
         # Checks each engine must pass after loading, in order: fn(engine, version) raising
-        # SyncError. A probe (score a fixed sequence, compare with the trainer) goes here.
+        # SyncError; then the probe (self.probe, when the trainer set one).
         self.checks: list[Callable[[RolloutEngine, int], None]] = [check_reported_version]
         self._engine = None   # vLLM's trainer-side weight-transfer engine
         self._client: FleetClient | None = None
@@ -246,17 +249,25 @@ class ServerWeightSync(WeightSync):
         else:
             metrics.bytes = sum(m.dtype.itemsize * _numel(m.shape) for m in self.source.metadata())
             metrics.tensors = len(self.source.metadata())
+        probed: list[dict] = []
+
         def settle(engine) -> None:  # per engine, all engines at once (each is a few HTTP calls)
             if engine.name not in failures:
                 try:
-                    self._commit(engine, version)
+                    gap = self._commit(engine, version)
+                    if gap is not None:
+                        probed.append(gap)
                 except (SyncError, EngineError) as exc:
                     failures[engine.name] = str(exc)
+                    if isinstance(exc, SyncMismatch):
+                        mismatched[engine.name] = str(exc)
             if engine.name in failures:
                 self._fail(engine, failures[engine.name])
 
         with cf.ThreadPoolExecutor(max_workers=len(members), thread_name_prefix="wt-commit") as pool:
             list(pool.map(settle, members))
+        for gap in probed:
+            metrics.add_probe_gap(gap)
         metrics.seconds = time.perf_counter() - t0
         metrics.failures = failures
         metrics.failed_engines = len(failures)
@@ -271,12 +282,16 @@ class ServerWeightSync(WeightSync):
                         failures)
         return metrics
 
-    def _commit(self, engine, version: int) -> None:
+    def _commit(self, engine, version: int) -> dict | None:
+        """Reset the engine's prefix cache, tag and check its version, score the probe (what it
+        computes with the new weights), then admit it. Returns its probe gap (None: no probe)."""
         engine.reset_prefix_cache()  # cached prefixes were computed with the old weights
         engine.set_weight_version(version)
         for check in self.checks:
             check(engine, version)
+        gap = probe.check(engine, self.probe) if (self.config.verify and self.probe is not None) else None
         self.fleet.admit(engine)
+        return gap
 
     def _fail(self, engine, reason: str) -> None:
         """After a failed sync: a reachable engine holds unknown weights and rejoins the next sync;

@@ -17,8 +17,14 @@ log = logging.getLogger("megatron_rl")
 def sync_weights(ctx: Context, version: int) -> dict:
     """Trainer weights -> engines (every rank takes part in the collective export). A sync that left
     some reachable engine without the new weights (another died mid-transfer, a checksum differed)
-    runs again with a fresh export, up to ``sync.retries`` times; rank 0 decides for all ranks."""
+    runs again with a fresh export, up to ``sync.retries`` times; rank 0 decides for all ranks. With
+    ``sync.verify`` every engine must then score the probe sequence as the trainer does
+    (:func:`probe_reference`; an engine that does not is out until a later sync passes)."""
     ctx.engines_wake()  # colocated on GPUs: the engines need their memory to load the weights
+    if ctx.cfg.sync.verify:
+        reference = probe_reference(ctx)  # collective: every rank takes part in the forward
+        if ctx.is_driver:
+            ctx.weight_sync.set_probe(reference)
     seconds = 0.0
     for attempt in range(ctx.cfg.sync.retries + 1):
         m = ctx.weight_sync.sync(ctx.policy.export_hf_weights(), version)
@@ -31,6 +37,22 @@ def sync_weights(ctx: Context, version: int) -> dict:
     out["sync/seconds"] = seconds
     out["sync/attempts"] = float(attempt + 1)
     return out
+
+
+def probe_reference(ctx: Context):
+    """The trainer's log-probs of the fixed probe sequence (``megatron_rl.sync.probe``) with the
+    weights about to be sent; the sync compares every engine's with them. Collective."""
+    from megatron_rl.models.batch import SequenceBatch
+    from megatron_rl.sync import probe
+    from megatron_rl.trainer.engines import max_model_len
+
+    cfg = ctx.cfg
+    tokens = probe.probe_tokens(min(len(ctx.tokenizer), ctx.policy.arch.vocab_size),
+                                probe.probe_length(max_model_len(cfg)))
+    (mine,), _ = ctx.policy.compute_logprobs(SequenceBatch(sequences=[tokens], prompt_lens=[1]), 1.0,
+                                             with_entropy=False)
+    tolerance = cfg.sync.probe_tolerance or probe.default_tolerance(cfg.rollout.dtype)
+    return probe.ProbeReference(tokens=tokens, logprobs=[float(x) for x in mine.tolist()], tolerance=tolerance)
 
 
 def evaluate(ctx: Context, max_tokens: int, records: list[PromptRecord] | None = None,

