@@ -10,7 +10,9 @@ inherited pipe (``MRL_SECRET_FD``, then closed) and deletes ``spec.json`` (so th
 read the tests from disk). It then executes the program as module ``solution`` (``__name__`` is
 not ``"__main__"``: a ``main()`` guard does not run), runs the tests in that module's namespace,
 and only after the last one writes ``<token> <json report>`` to the result file
-(``MRL_RESULT_FD``) and leaves with ``os._exit`` (the program's atexit hooks never run). A program
+(``MRL_RESULT_FD``), after killing every other process of the sandbox's PID namespace (so none
+can race to rewrite the report), and leaves with ``os._exit`` (the program's atexit hooks never
+run). A program
 that ends the process early in any way (``sys.exit``, ``os._exit``, a signal to itself, exec of
 another program, a closed stdout, an exception) leaves no report, or a report that is not a pass:
 the caller counts that as failed.
@@ -23,6 +25,7 @@ results are compared by the caller.
 
 import json
 import os
+import signal
 import sys
 import types
 
@@ -70,8 +73,10 @@ def _run(kind, spec, program, dumps):
 def main():
     # Bound before the program runs, so that replacing os.write & co. changes nothing here.
     write, exit_now, dumps, read, close = os.write, os._exit, json.dumps, os.read, os.close
+    kill, sigkill = os.kill, signal.SIGKILL
     secret_fd = int(os.environ.pop("MRL_SECRET_FD"))
     result_fd = int(os.environ.pop("MRL_RESULT_FD"))
+    own_pid_namespace = os.environ.pop("MRL_OWN_PID_NAMESPACE", "") == "1" and os.getpid() < 16
     token = b""
     while True:
         chunk = read(secret_fd, 4096)
@@ -89,6 +94,13 @@ def main():
         line = dumps(report)
     except BaseException as exc:
         line = dumps({"status": "error", "stage": "report", "error": _describe(exc)})
+    if own_pid_namespace:
+        # No process the program started may outlive the report and race to rewrite it: in the
+        # sandbox's own PID namespace, kill(-1) reaches exactly them (never init, never us).
+        try:
+            kill(-1, sigkill)
+        except OSError:
+            pass
     write(result_fd, token + b" " + line.encode("utf-8", "replace") + b"\n")
     exit_now(0)
 

@@ -344,6 +344,8 @@ class Sandbox:
                                  0o600)
                 opened.append(res_fd)
                 env = {"MRL_SECRET_FD": str(r), "MRL_RESULT_FD": str(res_fd)}
+                if self.mode == "bwrap":  # the program's processes are alone in their PID namespace
+                    env["MRL_OWN_PID_NAMESPACE"] = "1"
             cmd = self._command(argv, file_fds)
             res = self._launch(cmd, base, workdir, uid, nproc, timeout_s, env, tuple(opened))
             if secret is not None:

@@ -139,3 +139,15 @@ def test_right_program_passes_through_the_harness_and_cannot_read_the_tests():
     out = code_reward(RewardItem(_resp(RIGHT_ADD + "import sys\nsys.exit(0)\n"), HARNESS_GTS["call"], "code"),
                       _cfg())
     assert out.score == 0.0 and "exited" in out.detail  # ended before the harness could call it
+
+
+def test_no_process_of_the_program_outlives_the_report():
+    """A child left behind waits for the harness's report and appends to it: the harness kills the
+    program's other processes before it reports, so the report stays whole (and a right program
+    passes)."""
+    tamper = ("import os\nif os.fork() == 0:\n    while True:\n        for fd in range(3, 32):\n"
+              "            try:\n                if os.fstat(fd).st_size:\n"
+              "                    os.write(fd, b'tampered\\n')\n                    os._exit(0)\n"
+              "            except OSError:\n                pass\n")
+    out = code_reward(RewardItem(_resp(tamper + RIGHT_ADD), HARNESS_GTS["assert_case"], "code"), _cfg())
+    assert out.score == 1.0, out
