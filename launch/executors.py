@@ -53,8 +53,9 @@ def node_command(cfg: LaunchConfig, stage: str, run_dir: Path) -> list[str]:
     if cfg.executor == "slurm":
         # Quoted here: NeMo-Run pastes the arguments into the srun line as they are, so that the
         # rendezvous variables below expand in the batch shell.
+        port = str(cfg.master_port) if cfg.master_port else "$((20000+SLURM_JOB_ID%20000))"
         return ["torchrun", f"--nnodes={cfg.nodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=$head_node_ip:{cfg.master_port}", "--rdzv-id=$SLURM_JOB_ID",
+                f"--rdzv-endpoint=$head_node_ip:{port}", "--rdzv-id=$SLURM_JOB_ID",
                 "--max-restarts=0", "-m", "megatron_rl.cli", *map(shlex.quote, args)]
     if nproc == 1:
         return ["python", "-m", "megatron_rl.cli", *args]
@@ -83,26 +84,29 @@ def make_task(cfg: LaunchConfig, stage: str, run_dir: Path):
     return run.Script(path=command[0], args=command[1:], entrypoint="bash")
 
 
-def slurm_executor(cfg: LaunchConfig, run_dir: Path, job_dir: Path):
+def slurm_executor(cfg: LaunchConfig, run_dir: Path):
     import nemo_run as run
 
     mounts: list[str] = []
     if cfg.container_image:
         mounts = [f"{HOME}:{HOME}", f"{run_dir.parent}:{run_dir.parent}", *cfg.container_mounts]
     return run.SlurmExecutor(
-        account=cfg.account,
+        account=cfg.account or None,  # no --account line: clusters without accounting
         partition=cfg.partition or None,
         job_name_prefix="mrl-",
         nodes=cfg.nodes,
         ntasks_per_node=1,
         gpus_per_node=cfg.gpus_per_node,
+        cpus_per_task=cfg.cpus_per_task or None,
         exclusive=True,
         time=cfg.time,
         container_image=cfg.container_image or None,
         container_mounts=mounts,
         env_vars=task_env(cfg),
         retries=cfg.max_requeues,
-        tunnel=run.LocalTunnel(job_dir=str(job_dir)),
+        # The tunnel's job dir must be the experiment's own dir ($NEMORUN_HOME/experiments/...,
+        # LocalTunnel's default): sbatch is given the script there and srun runs in its code/.
+        tunnel=run.LocalTunnel(job_dir=""),
         packager=run.Packager(),  # the checkout is used in place (mounted when in a container)
     )
 
@@ -114,5 +118,5 @@ def local_executor(cfg: LaunchConfig):
     return run.LocalExecutor(ntasks_per_node=1, env_vars=task_env(cfg))
 
 
-def make_executor(cfg: LaunchConfig, run_dir: Path, job_dir: Path):
-    return slurm_executor(cfg, run_dir, job_dir) if cfg.executor == "slurm" else local_executor(cfg)
+def make_executor(cfg: LaunchConfig, run_dir: Path):
+    return slurm_executor(cfg, run_dir) if cfg.executor == "slurm" else local_executor(cfg)
