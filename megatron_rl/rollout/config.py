@@ -108,6 +108,9 @@ class RolloutConfig(ConfigBase):
         if self.top_k == 0 or self.top_k < -1:
             self.fail("top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
         self.check_range("timeout_s", lo=0.0, lo_open=True)
+        self.check_range("kv_cache_bytes", lo=0)
+        self.check_range("gpu_memory_utilization", lo=0.0, hi=1.0, lo_open=True)
+        self.check_range("eval_max_tokens", lo=1)
         if self.async_.needs_streaming and (self.engine != "vllm" or self.num_engines != 1):
             what = "partial_rollout" if self.async_.partial_rollout else "oversample"
             self.async_.fail(what, "needs an engine that loads weights with requests in flight and stops them "

@@ -77,7 +77,7 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
     """Policy on every rank; engines, rewards, data and tracker on the driver; the weight sync."""
     from transformers import AutoTokenizer
 
-    from megatron_rl.data import DataConfig, load_prompts
+    from megatron_rl.models.hf_config import HFModelError
     from megatron_rl.models.policy import MegatronPolicy
     from megatron_rl.rewards import RewardManager
     from megatron_rl.rollout import EnginePool, make_engines
@@ -85,24 +85,23 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
     from megatron_rl.tracking import Tracker
 
     run = RunDir(cfg.trainer.run_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as exc:  # no tokenizer files, or ones transformers cannot read
+        raise HFModelError(f"{model_path}: cannot load the tokenizer ({exc})") from None
+    train_records, eval_records = [], []
+    if groups.rank == 0:  # the data first: a bad file fails before any model or engine is built
+        run.recover()  # what a save killed mid-way left behind
+        train_records, eval_records = _load_data(cfg, tokenizer)
     policy = MegatronPolicy.from_hf(model_path, cfg.policy, groups)
     ctx = Context(cfg=cfg, run=run, groups=groups, policy=policy, tokenizer=tokenizer, model_path=model_path,
-                  entropy_ctl=EntropyController(cfg.algo.entropy), stop=stop)
+                  entropy_ctl=EntropyController(cfg.algo.entropy), stop=stop,
+                  train_records=train_records, eval_records=eval_records)
     max_len = cfg.rollout.max_prompt_len + max(s.max_response_len for s in cfg.stages)
     if ctx.is_driver:
         ctx.engines = make_engines(model_path, cfg.rollout, seed=cfg.trainer.seed, max_model_len=max_len)
         ctx.engine = ctx.engines[0] if len(ctx.engines) == 1 else EnginePool(ctx.engines, cfg.rollout.timeout_s)
         ctx.reward_mgr = RewardManager(cfg.reward)
-        max_len = cfg.rollout.max_prompt_len
-        ctx.train_records, stats = load_prompts(cfg.data.train_path, tokenizer, cfg.data, max_prompt_len=max_len)
-        log.info("train data: %s", stats)
-        if cfg.eval.path:  # the held-out set is never filtered by difficulty labels
-            eval_cfg = DataConfig.from_dict({**cfg.data.to_dict(), "keep_labels": [], "pass_rate_min": 0.0,
-                                             "pass_rate_max": 1.0})
-            ctx.eval_records, _ = load_prompts(cfg.eval.path, tokenizer, eval_cfg, max_prompt_len=max_len)
-            if cfg.eval.size:
-                ctx.eval_records = ctx.eval_records[: cfg.eval.size]
         run_state = run.read_run_state()
         ctx.tracker = Tracker(cfg.tracking, run.root, cfg.to_dict(), wandb_run_id=run_state.get("wandb_run_id"))
         if ctx.tracker.wandb_run_id and run_state.get("wandb_run_id") != ctx.tracker.wandb_run_id:
@@ -110,3 +109,25 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
     ctx.weight_sync = build_weight_sync(cfg.sync, ctx.engines, sender=ctx.is_driver)
     ctx.weight_sync.connect()
     return ctx
+
+
+def _load_data(cfg: RunConfig, tokenizer) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """Training and held-out prompts (prompts longer than rollout.max_prompt_len dropped and
+    counted); a :class:`DataError` names the file when one cannot serve the run."""
+    from megatron_rl.data import DataConfig, DataError, load_prompts
+
+    max_len = cfg.rollout.max_prompt_len
+    train, stats = load_prompts(cfg.data.train_path, tokenizer, cfg.data, max_prompt_len=max_len)
+    log.info("train data: %s", stats)
+    if cfg.sft.enabled and len(train) <= cfg.sft.eval_size:
+        raise DataError(f"{cfg.data.train_path}: {len(train)} usable prompts, but the SFT cold start "
+                        f"holds out sft.eval_size={cfg.sft.eval_size} of them for validation and "
+                        f"trains on the rest: lower sft.eval_size or add data")
+    held_out = []
+    if cfg.eval.path:  # the held-out set is never filtered by difficulty labels
+        eval_cfg = DataConfig.from_dict({**cfg.data.to_dict(), "keep_labels": [], "pass_rate_min": 0.0,
+                                         "pass_rate_max": 1.0})
+        held_out, _ = load_prompts(cfg.eval.path, tokenizer, eval_cfg, max_prompt_len=max_len)
+        if cfg.eval.size:
+            held_out = held_out[: cfg.eval.size]
+    return train, held_out
