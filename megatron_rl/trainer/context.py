@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_rl.algo import EntropyController
+from megatron_rl.common.errors import InputError
 from megatron_rl.models.parallel import ParallelGroups
 from megatron_rl.trainer.state import RunDir
 from megatron_rl.trainer.stop import StopRequest
@@ -89,10 +90,20 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as exc:  # no tokenizer files, or ones transformers cannot read
         raise HFModelError(f"{model_path}: cannot load the tokenizer ({exc})") from None
-    train_records, eval_records = [], []
+    train_records, eval_records, problem = [], [], None
     if groups.rank == 0:  # the data first: a bad file fails before any model or engine is built
-        run.recover()  # what a save killed mid-way left behind
-        train_records, eval_records = _load_data(cfg, tokenizer)
+        try:
+            run.recover()  # what a save killed mid-way left behind
+            train_records, eval_records = _load_data(cfg, tokenizer)
+        except InputError as exc:
+            problem = exc
+    if groups.world_size > 1:  # every rank stops with the driver's error, none waits for it
+        box = [None if problem is None else str(problem)]
+        torch.distributed.broadcast_object_list(box, src=0)
+        if box[0] is not None and problem is None:
+            problem = InputError(box[0])
+    if problem is not None:
+        raise problem
     policy = MegatronPolicy.from_hf(model_path, cfg.policy, groups)
     ctx = Context(cfg=cfg, run=run, groups=groups, policy=policy, tokenizer=tokenizer, model_path=model_path,
                   entropy_ctl=EntropyController(cfg.algo.entropy), stop=stop,

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from megatron_rl.config import ConfigError
-from megatron_rl.config.base import COMMAND_LINE, ConfigBase
+from megatron_rl.config.base import COMMAND_LINE, ConfigBase, yaml_key
 from megatron_rl.config.loader import load
 from megatron_rl.tools.difficulty import DifficultyConfig
 from megatron_rl.trainer.schema import RunConfig, load_run_config
@@ -97,6 +97,7 @@ ZERO_OK = {
     "policy.optim.lr", "policy.optim.min_lr", "policy.optim.weight_decay", "policy.optim.adam_beta1",
     "policy.optim.adam_beta2", "policy.optim.clip_grad", "policy.optim.lr_warmup_steps",
     "rollout.kv_cache_bytes",  # 0: vLLM sizes the cache (GPU)
+    "rollout.async.max_staleness", "rollout.async.oversample",  # 0: the synchronous loop
     "algo.adv_eps", "algo.clip.eps_low", "algo.entropy.coef", "algo.entropy.target",
     "algo.entropy.delta", "algo.entropy.coef_min", "algo.entropy.coef_max", "algo.kl.coef",
     "algo.mismatch.icepop_low",
@@ -134,7 +135,7 @@ def numeric_keys(cls, prefix="") -> list[str]:
     keys = []
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        tp, key = hints[f.name], f"{prefix}{f.name}"
+        tp, key = hints[f.name], f"{prefix}{yaml_key(f)}"
         sub = _config_class(tp)
         if sub is not None:
             keys += numeric_keys(sub, key + (".0." if get_origin(tp) is list else "."))
