@@ -36,6 +36,8 @@ class LaunchConfig(ConfigBase):
     nodes: int = 1
     # Slurm: GPUs requested per node.
     gpus_per_node: int = 8
+    # Slurm: CPUs per task (one task per node); 0: the cluster's default.
+    cpus_per_task: int = 0
     # Trainer processes per node; 0: gpus_per_node for Slurm, 1 for local.
     nproc_per_node: int = 0
     # Slurm account and partition (account is required by sbatch on most clusters).
@@ -55,9 +57,12 @@ class LaunchConfig(ConfigBase):
     env: dict[str, str] = field(default_factory=dict)
     # Virtualenv activated on every node before the trainer starts ("" = the PATH as is).
     venv: str = ""
-    # torchrun rendezvous port on the first node.
-    master_port: int = 29500
-    # Where NeMo-Run keeps the job's files (sbatch script, logs); empty: <run_dir>/nemo_run.
+    # torchrun rendezvous port on the first node; 0: 20000 + job id mod 20000 (as slurm/common.sh), so
+    # two jobs sharing a node never pick the same port.
+    master_port: int = 0
+    # NEMORUN_HOME of this launch: NeMo-Run keeps each job's sbatch script and logs under
+    # <job_dir>/experiments/<experiment>/<experiment id>/<stage>/; empty: $NEMORUN_HOME when set,
+    # else <run_dir>/nemorun.
     job_dir: str = ""
     # Rollout engines (when the config's rollout.engine is vllm_server): "colocated" (every trainer
     # node also runs the engines for its GPUs) or "dedicated" (``rollout_nodes`` more nodes run only
@@ -76,9 +81,9 @@ class LaunchConfig(ConfigBase):
             self.fail("executor", f"must be 'slurm' or 'local', got {self.executor!r}")
         for name in ("nodes", "gpus_per_node"):
             self.check_range(name, lo=1)
-        for name in ("nproc_per_node", "signal_lead_s", "max_requeues"):
+        for name in ("nproc_per_node", "cpus_per_task", "signal_lead_s", "max_requeues"):
             self.check_range(name, lo=0)
-        self.check_range("master_port", lo=1, hi=65535)
+        self.check_range("master_port", lo=0, hi=65535)
         if self.rollout_placement not in ("colocated", "dedicated"):
             self.fail("rollout_placement", f"must be 'colocated' or 'dedicated', got {self.rollout_placement!r}")
         if self.rollout_placement == "dedicated":
@@ -108,3 +113,18 @@ class LaunchConfig(ConfigBase):
 
     def signal_lead(self) -> int:
         return self.signal_lead_s or SIGNAL_LEAD_SECONDS[self.stage]
+
+    def check_script_paths(self, paths: dict[str, str]) -> None:
+        """Refuse paths that NeMo-Run's Slurm script cannot carry (``paths``: field -> value).
+
+        Without a container, NeMo-Run writes the sbatch script with the placeholder ``/nemo_run``
+        for the job directory and then replaces every ``/nemo_run`` in the whole script, so any
+        path containing it (a run directory ``.../nemo_run/...``) would come out doubled.
+        """
+        if self.executor != "slurm" or self.container_image:
+            return
+        for name, value in paths.items():
+            if "/nemo_run" in value:
+                self.fail(name, f"{value!r} contains '/nemo_run', which NeMo-Run's Slurm script "
+                                "generator replaces with the job directory (without a container); "
+                                "choose a path without it")

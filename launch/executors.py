@@ -99,9 +99,10 @@ def node_command(cfg: LaunchConfig, stage: str, run_dir: Path) -> list[str]:
     if cfg.executor == "slurm":
         # Quoted here: NeMo-Run pastes the arguments into the srun line as they are, so that the
         # rendezvous variables below expand in the batch shell.
+        port = str(cfg.master_port) if cfg.master_port else "$((20000+SLURM_JOB_ID%20000))"
         head = TRAINER_HOST if cfg.rollout_placement == "dedicated" else "$head_node_ip"
         return ["torchrun", f"--nnodes={cfg.nodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={head}:{cfg.master_port}", "--rdzv-id=$SLURM_JOB_ID",
+                f"--rdzv-endpoint={head}:{port}", "--rdzv-id=$SLURM_JOB_ID",
                 "--max-restarts=0", "-m", "megatron_rl.cli", *map(_quote, args)]
     if nproc == 1:
         return ["python", "-m", "megatron_rl.cli", *args]
@@ -144,19 +145,20 @@ def make_tasks(cfg: LaunchConfig, stage: str, run_dir: Path) -> list:
     return tasks
 
 
-def slurm_executor(cfg: LaunchConfig, run_dir: Path, job_dir: Path, *, engines: bool = False):
+def slurm_executor(cfg: LaunchConfig, run_dir: Path, *, engines: bool = False):
     import nemo_run as run
 
     mounts: list[str] = []
     if cfg.container_image:
         mounts = [f"{HOME}:{HOME}", f"{run_dir.parent}:{run_dir.parent}", *cfg.container_mounts]
     return run.SlurmExecutor(
-        account=cfg.account,
+        account=cfg.account or None,  # no --account line: clusters without accounting
         partition=cfg.partition or None,
         job_name_prefix="mrl-",
         nodes=cfg.rollout_nodes if engines else cfg.nodes,
         ntasks_per_node=1,
         gpus_per_node=cfg.gpus_per_node,
+        cpus_per_task=cfg.cpus_per_task or None,
         exclusive=True,
         time=cfg.time,
         container_image=cfg.container_image or None,
@@ -164,7 +166,9 @@ def slurm_executor(cfg: LaunchConfig, run_dir: Path, job_dir: Path, *, engines: 
         env_vars=task_env(cfg, run_dir, engines=engines),
         retries=cfg.max_requeues,
         heterogeneous=cfg.rollout_placement == "dedicated",
-        tunnel=run.LocalTunnel(job_dir=str(job_dir)),
+        # The tunnel's job dir must be the experiment's own dir ($NEMORUN_HOME/experiments/...,
+        # LocalTunnel's default): sbatch is given the script there and srun runs in its code/.
+        tunnel=run.LocalTunnel(job_dir=""),
         packager=run.Packager(),  # the checkout is used in place (mounted when in a container)
     )
 
@@ -176,11 +180,11 @@ def local_executor(cfg: LaunchConfig, run_dir: Path):
     return run.LocalExecutor(ntasks_per_node=1, env_vars=task_env(cfg, run_dir))
 
 
-def make_executors(cfg: LaunchConfig, run_dir: Path, job_dir: Path) -> list:
+def make_executors(cfg: LaunchConfig, run_dir: Path) -> list:
     """One executor per task of :func:`make_tasks` (dedicated: the trainer group, the engine group)."""
     if cfg.executor != "slurm":
         return [local_executor(cfg, run_dir)]
-    executors = [slurm_executor(cfg, run_dir, job_dir)]
+    executors = [slurm_executor(cfg, run_dir)]
     if cfg.rollout_placement == "dedicated":
-        executors.append(slurm_executor(cfg, run_dir, job_dir, engines=True))
+        executors.append(slurm_executor(cfg, run_dir, engines=True))
     return executors

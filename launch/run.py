@@ -1,39 +1,68 @@
-"""Launch one stage of the Skywork-OR1 recipe with NeMo-Run.
+"""Launch stages of the Skywork-OR1 recipe with NeMo-Run.
 
     python -m launch.run --stage stage1 --executor slurm --dry-run          # print the sbatch script
     python -m launch.run --stage stage2 --executor slurm --nodes 4 --account A --partition P \\
         --container-image IMAGE                                             # submit (sbatch)
+    python -m launch.run --stage 1,2,3 --executor slurm --nodes 4 --account A   # three jobs, chained
     python -m launch.run --stage stage1 --executor local \\
         --config configs/demo_cpu.yaml --run-dir runs/demo                  # run here, wait
 
 The stages share one run directory: stage N starts from stage N-1's final checkpoint found there
 and resumes from its own newest checkpoint after a requeue (see slurm/common.sh for the same
-behaviour with plain sbatch). NEMORUN_HOME defaults to <run dir>/nemo_run/home.
+behaviour with plain sbatch). Several stages in one call are one NeMo-Run experiment: each stage's
+job depends on the previous one (Slurm ``--dependency=afterok``; the local executor runs them one
+after the other). NEMORUN_HOME is ``--job-dir``, else $NEMORUN_HOME, else <run dir>/nemorun; each
+job's sbatch script and logs are in $NEMORUN_HOME/experiments/<experiment>/<experiment id>/<stage>/.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
 
-from launch.config import LaunchConfig
+from launch.config import HOME, LaunchConfig
 from launch.executors import make_executors, make_tasks, node_command, resolve_stage
 
 
-def _experiment_title(cfg: LaunchConfig, stage: str) -> str:
-    return f"mrl-{cfg.size}-{stage}"
+def _experiment_title(cfg: LaunchConfig, stages: list[str]) -> str:
+    return f"mrl-{cfg.size}-{'-'.join(stages)}"
 
 
-def _prepare(cfg: LaunchConfig):
-    """Validated config -> (stage name, run dir, job dir, tasks, executors): one task, or with
-    dedicated engines a trainer group and an engine group (one heterogeneous job)."""
-    cfg.validate()
-    stage, run_dir = resolve_stage(cfg)
-    job_dir = Path(cfg.job_dir) if cfg.job_dir else run_dir / "nemo_run"
-    os.environ.setdefault("NEMORUN_HOME", str(job_dir / "home"))
-    return stage, run_dir, job_dir, make_tasks(cfg, stage, run_dir), make_executors(cfg, run_dir, job_dir)
+def _nemorun_home(cfg: LaunchConfig, run_dir: Path) -> Path:
+    if cfg.job_dir:
+        return Path(cfg.job_dir).absolute()
+    return Path(os.environ.get("NEMORUN_HOME") or run_dir / "nemorun").absolute()
+
+
+def _prepare(cfgs: list[LaunchConfig]):
+    """Validated configs (one per stage) -> (stage names, [(tasks, executors)]), NEMORUN_HOME set: per
+    stage one task, or with dedicated engines a trainer group and an engine group (one
+    heterogeneous job)."""
+    stages, jobs, homes = [], [], set()
+    for cfg in cfgs:
+        cfg.validate()
+        stage, run_dir = resolve_stage(cfg)
+        home = _nemorun_home(cfg, run_dir)
+        cfg.check_script_paths({"run_dir": str(run_dir), "job_dir": str(home), "config": str(cfg.config_path()),
+                                "venv": cfg.venv, "overrides": " ".join(cfg.overrides),
+                                "env": " ".join(cfg.env.values())})
+        if "/nemo_run" in str(HOME) and cfg.executor == "slurm" and not cfg.container_image:
+            cfg.fail("config", f"the checkout {HOME} has '/nemo_run' in its path, which NeMo-Run's Slurm "
+                               "script generator replaces (without a container); move the checkout")
+        stages.append(stage)
+        homes.add(home)
+        jobs.append((cfg, stage, run_dir))
+    if len(homes) != 1:
+        cfgs[0].fail("job_dir", f"the stages of one launch need one NEMORUN_HOME, got {sorted(map(str, homes))}")
+    home = homes.pop()
+    os.environ["NEMORUN_HOME"] = str(home)
+    import nemo_run.config
+
+    nemo_run.config.set_nemorun_home(str(home))  # read once when nemo_run is imported
+    return stages, [(make_tasks(cfg, stage, run_dir), make_executors(cfg, run_dir)) for cfg, stage, run_dir in jobs]
 
 
 def _add(exp, tasks: list, executors: list, stage: str) -> None:
@@ -43,45 +72,56 @@ def _add(exp, tasks: list, executors: list, stage: str) -> None:
         exp.add(tasks, executor=executors, name=stage)
 
 
-def dry_run(cfg: LaunchConfig) -> str:
-    """The sbatch script NeMo-Run would submit (Slurm), or the command it would run (local)."""
-    stage, run_dir, _job_dir, tasks, executors = _prepare(cfg)
-    if cfg.executor == "local":
-        return " ".join(["bash", tasks[0].path, *tasks[0].args])
+def _dryrun_info(job):
+    """The dry run's request NeMo-Run keeps on the job (a job group: on its first member)."""
+    return job._dryrun_infos[0] if hasattr(job, "_dryrun_infos") else job._dryrun_info
+
+
+def dry_run(cfgs: list[LaunchConfig]) -> str:
+    """The sbatch scripts NeMo-Run would submit (Slurm), or the commands it would run (local)."""
+    stages, jobs = _prepare(cfgs)
+    if cfgs[0].executor == "local":
+        return "\n".join(" ".join(["bash", tasks[0].path, *tasks[0].args]) for tasks, _ in jobs)
     import nemo_run as run
 
-    with run.Experiment(_experiment_title(cfg, stage), executor=executors[0], log_level="WARN") as exp:
-        _add(exp, tasks, executors, stage)
+    with run.Experiment(_experiment_title(cfgs[0], stages), executor=jobs[0][1][0], log_level="WARN") as exp:
+        for stage, (tasks, executors) in zip(stages, jobs):
+            _add(exp, tasks, executors, stage)
         exp.dryrun(log=False)
-        # NeMo-Run keeps the dry run's request on the job (a job group: on its first member);
         # materialize() renders the sbatch text.
-        job = exp.jobs[0]
-        info = job._dryrun_infos[0] if hasattr(job, "_dryrun_infos") else job._dryrun_info
-        return info.request.materialize()
+        return "\n".join(_dryrun_info(job).request.materialize() for job in exp.jobs)
 
 
-def launch(cfg: LaunchConfig) -> int:
-    """Submit (Slurm: returns once sbatch accepted the job) or run and wait (local)."""
-    stage, run_dir, _job_dir, tasks, executors = _prepare(cfg)
+def launch(cfgs: list[LaunchConfig]) -> int:
+    """Submit (Slurm: returns once sbatch accepted the jobs) or run and wait (local)."""
+    stages, jobs = _prepare(cfgs)
     import nemo_run as run
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    detach = cfg.executor == "slurm"
-    with run.Experiment(_experiment_title(cfg, stage), executor=executors[0], log_level="WARN") as exp:
-        _add(exp, tasks, executors, stage)
+    for cfg in cfgs:
+        resolve_stage(cfg)[1].mkdir(parents=True, exist_ok=True)
+    detach = cfgs[0].executor == "slurm"
+    with run.Experiment(_experiment_title(cfgs[0], stages), executor=jobs[0][1][0], log_level="WARN") as exp:
+        for stage, (tasks, executors) in zip(stages, jobs):
+            _add(exp, tasks, executors, stage)
         exp.run(sequential=True, detach=detach, tail_logs=False)
     status = exp.status(return_dict=True) or {}
-    state = str((status.get(stage) or {}).get("status", "UNKNOWN"))
-    print(f"launch: {stage} via {cfg.executor}: {state}", file=sys.stderr)
-    if detach:
-        return 0
-    return 0 if state.startswith("SUCCEEDED") else 1
+    ok = True
+    for job in exp.jobs:
+        info = status.get(job.id) or {}
+        if detach:  # sbatch accepted it; its state is Slurm's to report (squeue)
+            what = f"submitted as Slurm job {info.get('job_id', '?')}"
+        else:
+            what = str(info.get("status", "UNKNOWN"))
+            ok = ok and what.startswith("SUCCEEDED")
+        print(f"launch: {job.id}: {what}; logs in {job.executor.job_dir}", file=sys.stderr)
+    return 0 if ok else 1
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, bool]:
+def parse_args(argv: list[str] | None = None) -> tuple[list[LaunchConfig], bool]:
     p = argparse.ArgumentParser(prog="python -m launch.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stage", required=True, help="stage1 | stage2 | stage3 (or 1 | 2 | 3)")
+    p.add_argument("--stage", required=True,
+                   help="stage1 | stage2 | stage3 (or 1 | 2 | 3); several, comma-separated, are chained")
     p.add_argument("--executor", default="slurm", choices=["slurm", "local"])
     p.add_argument("--dry-run", action="store_true", help="print the sbatch script (or command) only")
     p.add_argument("--size", default="7b")
@@ -90,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, bool]:
     p.add_argument("--run-dir", default="")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--cpus-per-task", type=int, default=0)
+    p.add_argument("--master-port", type=int, default=0,
+                   help="torchrun rendezvous port (Slurm; default 20000 + job id mod 20000)")
     p.add_argument("--nproc-per-node", type=int, default=0)
     p.add_argument("--account", default="")
     p.add_argument("--partition", default="")
@@ -99,15 +142,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, bool]:
     p.add_argument("--env", action="append", default=[], help="NAME=VALUE (repeatable)")
     p.add_argument("--venv", default="")
     p.add_argument("--max-requeues", type=int, default=50)
-    p.add_argument("--job-dir", default="")
+    p.add_argument("--job-dir", default="", help="NEMORUN_HOME (default: $NEMORUN_HOME, else <run dir>/nemorun)")
     p.add_argument("--rollout-placement", default="colocated", choices=["colocated", "dedicated"],
                    help="dedicated: --rollout-nodes more nodes run only the vLLM engines (Slurm)")
     p.add_argument("--rollout-nodes", type=int, default=1)
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides for the trainer")
     a = p.parse_args(argv)
-    stage = a.stage.removeprefix("stage")
-    if not stage.isdigit():
-        p.error(f"--stage must be stage1, stage2 or stage3, got {a.stage!r}")
+    stages = [s.strip().removeprefix("stage") for s in a.stage.split(",")]
+    if not all(s.isdigit() for s in stages):
+        p.error(f"--stage must be stage1, stage2 or stage3 (comma-separated for several), got {a.stage!r}")
+    if len(stages) > 1 and a.stage_name:
+        p.error("--stage-name names one stage; give one --stage with it")
     env = {}
     for item in a.env:
         if "=" not in item:
@@ -115,24 +160,25 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, bool]:
         k, v = item.split("=", 1)
         env[k] = v
     cfg = LaunchConfig(
-        stage=int(stage), size=a.size, config=a.config, stage_name=a.stage_name, run_dir=a.run_dir,
+        stage=int(stages[0]), size=a.size, config=a.config, stage_name=a.stage_name, run_dir=a.run_dir,
         overrides=list(a.overrides), executor=a.executor, nodes=a.nodes, gpus_per_node=a.gpus_per_node,
-        nproc_per_node=a.nproc_per_node, account=a.account, partition=a.partition, time=a.time,
-        container_image=a.container_image, container_mounts=list(a.container_mount), env=env,
-        venv=a.venv, max_requeues=a.max_requeues, job_dir=a.job_dir,
-        rollout_placement=a.rollout_placement, rollout_nodes=a.rollout_nodes)
-    return cfg, a.dry_run
+        cpus_per_task=a.cpus_per_task, nproc_per_node=a.nproc_per_node, account=a.account,
+        partition=a.partition, time=a.time, container_image=a.container_image,
+        container_mounts=list(a.container_mount), env=env, venv=a.venv, max_requeues=a.max_requeues,
+        master_port=a.master_port, job_dir=a.job_dir, rollout_placement=a.rollout_placement,
+        rollout_nodes=a.rollout_nodes)
+    return [dataclasses.replace(cfg, stage=int(s)) for s in stages], a.dry_run
 
 
 def main(argv: list[str] | None = None) -> int:
     from megatron_rl.config import ConfigError
 
-    cfg, dry = parse_args(argv)
+    cfgs, dry = parse_args(argv)
     try:
         if dry:
-            print(dry_run(cfg))
+            print(dry_run(cfgs))
             return 0
-        return launch(cfg)
+        return launch(cfgs)
     except ConfigError as exc:
         print(f"launch: {exc}", file=sys.stderr)
         return 2

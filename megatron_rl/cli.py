@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -38,13 +39,14 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
     from megatron_rl.compat import apply_cpu_shim
     from megatron_rl.demo import prepare_inputs, tiny_model_dir
     from megatron_rl.models import init_distributed
+    from megatron_rl.models.hf_config import read_hf_config
     from megatron_rl.trainer.context import build_context
     from megatron_rl.trainer.run import run
-    from megatron_rl.trainer.schema import load_run_config
+    from megatron_rl.trainer.schema import check_model_limits, load_run_config
     from megatron_rl.trainer.stop import StopRequest
 
-    if run_dir:
-        overrides = [*overrides, f"trainer.run_dir={run_dir}"]
+    if run_dir is not None:  # ``--run-dir ''`` is refused by the config's check, never ignored
+        overrides = [*overrides, f"trainer.run_dir={json.dumps(run_dir)}"]  # a YAML string, always
     cfg = load_run_config(config, overrides)
     if stage:
         cfg.stage(stage)  # fail fast on an unknown stage, before anything is built
@@ -55,6 +57,9 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
         prepare_inputs(cfg.trainer.run_dir, tiny=None if cfg.model.path else cfg.model.tiny,
                        synthetic=cfg.synthetic, seed=cfg.trainer.seed)
     groups.barrier()
+    # The model's own limits, before anything is built from it.
+    check_model_limits(cfg, read_hf_config(model_path).max_position_embeddings,
+                       str(Path(model_path) / "config.json"))
     stop = StopRequest()
     ctx = build_context(cfg, groups, model_path, stop)
     stop.install_signal_handlers()  # after the engines are built, so nothing replaces them
@@ -106,17 +111,25 @@ def _engines(config: str, run_dir: str | None, node: str | None, host: str | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run a subcommand. An :class:`~megatron_rl.common.errors.InputError` (a config value, data
+    file, model or checkpoint that cannot work) is printed as one line, ``megatron-rl: ...``, and
+    the exit code is 2; any other exception is a bug and keeps its traceback."""
+    from megatron_rl.common.errors import InputError
+
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except InputError as exc:
+        rank = int(os.environ.get("RANK", "0"))
+        print(f"megatron-rl: {'' if rank == 0 else f'(rank {rank}) '}{exc}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
     if argv[:2] == ["data", "difficulty"]:  # its own option parser (argparse.REMAINDER drops --options)
         _setup_logging()
-        from megatron_rl.data import DataError
         from megatron_rl.tools.difficulty import cli_main
 
-        try:
-            return cli_main(argv[2:])
-        except DataError as exc:
-            print(f"megatron-rl data difficulty: {exc}", file=sys.stderr)
-            return 2
+        return cli_main(argv[2:])
     p = argparse.ArgumentParser(prog="megatron-rl", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -144,25 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     _setup_logging()
-    from megatron_rl.config import ConfigError
+    if args.cmd == "train":
+        return _train(args.config, args.run_dir, args.stage, args.overrides)
+    if args.cmd == "engines":
+        return _engines(args.config, args.run_dir, args.node_name, args.host, args.count, args.overrides)
+    if args.cmd == "demo":
+        return _train(str(DEMO_CONFIG), args.run_dir, None, args.overrides)
+    if args.cmd == "validate":
+        from megatron_rl.trainer.schema import load_run_config
 
-    try:
-        if args.cmd == "train":
-            return _train(args.config, args.run_dir, args.stage, args.overrides)
-        if args.cmd == "engines":
-            return _engines(args.config, args.run_dir, args.node_name, args.host, args.count, args.overrides)
-        if args.cmd == "demo":
-            return _train(str(DEMO_CONFIG), args.run_dir, None, args.overrides)
-        if args.cmd == "validate":
-            from megatron_rl.trainer.schema import load_run_config
-
-            for c in args.configs:
-                load_run_config(c)
-                print(f"ok  {c}")
-            return 0
-    except ConfigError as exc:
-        print(f"megatron-rl: {exc}", file=sys.stderr)
-        return 2
+        for c in args.configs:
+            load_run_config(c)
+            print(f"ok  {c}")
+        return 0
     return 1
 
 

@@ -1,9 +1,11 @@
-"""Generic machinery every package may use: the name registry and the metric reducer.
+"""Generic machinery every package may use: the name registry, the metric reducer and the base
+class of the errors a user can fix (:class:`InputError`).
 
 The bottom of the house (with ``compat`` and ``config``): it imports nothing from megatron_rl.
 """
 
+from megatron_rl.common.errors import InputError
 from megatron_rl.common.metrics import reduce_metrics
 from megatron_rl.common.registry import Registry
 
-__all__ = ["Registry", "reduce_metrics"]
+__all__ = ["InputError", "Registry", "reduce_metrics"]

@@ -15,18 +15,28 @@ import types
 import typing
 from typing import Any, ClassVar, get_args, get_origin, get_type_hints
 
+from megatron_rl.common.errors import InputError
 
-class ConfigError(ValueError):
+
+# ``ConfigError.source`` of a value given as a ``key=value`` override.
+COMMAND_LINE = "<command line>"
+
+
+class ConfigError(InputError, ValueError):
     """A configuration value is missing, unknown, of the wrong type or out of range.
 
-    ``key`` is the full dotted key, ``source`` the file it came from (if any).
+    ``key`` is the full dotted key, ``source`` the file it came from (if any), or
+    :data:`COMMAND_LINE` for an override.
     """
 
     def __init__(self, key: str, message: str, source: str | None = None):
         self.key = key
         self.message = message
         self.source = source
-        where = f" (in {source})" if source else ""
+        if source == COMMAND_LINE:
+            where = " on the command line"
+        else:
+            where = f" (in {source})" if source else ""
         super().__init__(f"config key '{key}'{where}: {message}")
 
 

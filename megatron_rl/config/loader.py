@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from megatron_rl.config.base import ConfigBase, ConfigError
+from megatron_rl.config.base import COMMAND_LINE, ConfigBase, ConfigError
 
 C = TypeVar("C", bound=ConfigBase)
 
@@ -51,17 +51,24 @@ def load_yaml_tree(path: str | Path, _seen: tuple = ()) -> dict:
     path = Path(path).resolve()
     if path in _seen:
         raise ConfigError("defaults", f"inheritance cycle through {path}", str(path))
-    if not path.exists():
-        raise ConfigError("defaults" if _seen else "config", f"file not found: {path}", str(_seen[-1]) if _seen else None)
+    if not path.is_file():
+        what = "not a file" if path.exists() else "file not found"
+        raise ConfigError("defaults" if _seen else "config", f"{what}: {path}",
+                          str(_seen[-1]) if _seen else None)
     try:
-        data = yaml.load(path.read_text(), Loader=_StrictLoader) or {}
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader) or {}
     except yaml.YAMLError as exc:
         raise ConfigError("<file>", f"invalid YAML: {exc}", str(path)) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError("<file>", f"not UTF-8 text (byte {exc.start})", str(path)) from None
     if not isinstance(data, dict):
         raise ConfigError("<file>", "the top level must be a mapping", str(path))
     defaults = data.pop("defaults", []) or []
     if isinstance(defaults, str):
         defaults = [defaults]
+    if not isinstance(defaults, list) or not all(isinstance(d, str) and d for d in defaults):
+        raise ConfigError("defaults", f"must be a list of YAML file names (relative to this file), "
+                                      f"got {defaults!r}", str(path))
     merged: dict = {}
     for d in defaults:
         merged = _deep_merge(merged, load_yaml_tree(path.parent / d, _seen + (path,)))
@@ -69,25 +76,52 @@ def load_yaml_tree(path: str | Path, _seen: tuple = ()) -> dict:
 
 
 def apply_override(tree: dict, item: str) -> dict:
-    """Apply one ``a.b.c=value`` override (value parsed as YAML: numbers, bools, lists, null)."""
+    """Apply one ``a.b.c=value`` override (value parsed as YAML: numbers, bools, lists, null).
+
+    A list element is addressed by its index (``stages.0.max_steps=5``). Every mistake is a
+    :class:`ConfigError` naming the key and the command line.
+    """
     if "=" not in item:
-        raise ConfigError(item, "overrides look like key.sub=value")
+        raise ConfigError(item, "an override looks like key.sub=value", COMMAND_LINE)
     key, raw = item.split("=", 1)
-    value = yaml.safe_load(raw) if raw != "" else ""
-    parts = key.strip().split(".")
-    node = tree
-    for p in parts[:-1]:
-        if p.isdigit() and isinstance(node, list):
-            node = node[int(p)]
-            continue
-        node = node.setdefault(p, {})
-        if not isinstance(node, (dict, list)):
-            raise ConfigError(key, "cannot set a sub-key of a non-mapping value")
-    last = parts[-1]
-    if last.isdigit() and isinstance(node, list):
-        node[int(last)] = value
-    else:
-        node[last] = value
+    key = key.strip()
+    parts = key.split(".")
+    if not key or not all(parts):
+        raise ConfigError(key or item, "empty key (an override looks like key.sub=value)", COMMAND_LINE)
+    if not raw.strip():
+        raise ConfigError(key, "empty value (write key=null for none, or key=\"\" for an empty "
+                               "string)", COMMAND_LINE)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(key, f"cannot parse the value {raw!r} ({reason})", COMMAND_LINE) from None
+    node: Any = tree
+    for i, part in enumerate(parts):
+        where = ".".join(parts[:i]) or "the top level"
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit():
+                raise ConfigError(key, f"{where} is a list: address an entry by its index, got "
+                                       f"{part!r}", COMMAND_LINE)
+            index = int(part)
+            if index >= len(node):
+                have = f"has {len(node)} entries (0 to {len(node) - 1})" if node else "is empty"
+                raise ConfigError(key, f"{where} {have}: there is no entry {index}", COMMAND_LINE)
+            if last:
+                node[index] = value
+            else:
+                node = node[index]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                if node.get(part) is None:  # absent, or an empty YAML section
+                    node[part] = {}
+                node = node[part]
+        else:
+            raise ConfigError(key, f"{where} is {node!r}, not a mapping: it has no key {part!r}",
+                              COMMAND_LINE)
     return tree
 
 
@@ -106,28 +140,36 @@ def load(cls: type[C], path: str | Path | None = None, overrides: list[str] | No
          validate: bool = True, prepare: Callable[[dict], dict] | None = None) -> C:
     """Build config class ``cls`` from ``path`` (optional) and ``a.b=value`` overrides.
 
-    ``prepare`` may rewrite the merged tree before it is typed (placeholders). With ``validate``,
-    an error from an overridden key names the command line instead of the file.
+    ``prepare`` may rewrite the merged tree before it is typed (placeholders). An error in a key
+    that an override set names the command line instead of the file.
     """
+    overrides = list(overrides or [])
     tree = load_yaml_tree(path) if path else {}
-    for item in overrides or []:
+    for item in overrides:
         tree = apply_override(tree, item)
     if prepare is not None:
         tree = prepare(tree)
-    cfg = cls.from_dict(tree, source=str(path) if path else None)
-    if validate:
-        try:
+    source = str(path) if path else None
+    try:
+        cfg = cls.from_dict(tree, source=source)
+        if validate:
             cfg.validate()
-        except ConfigError as exc:
-            if exc.source is None or _from_override(exc.key, overrides or []):
-                where = "the command line" if _from_override(exc.key, overrides or []) else (str(path) if path else None)
-                raise ConfigError(exc.key, exc.message, where) from None
-            raise
+    except ConfigError as exc:
+        if _from_override(exc.key, overrides):
+            raise ConfigError(exc.key, exc.message, COMMAND_LINE) from None
+        if exc.source is None and source is not None:
+            raise ConfigError(exc.key, exc.message, source) from None
+        raise
     return cfg
 
 
+def _override_keys(overrides: list[str]) -> list[str]:
+    return [o.split("=", 1)[0].strip() for o in overrides]
+
+
 def _from_override(key: str, overrides: list[str]) -> bool:
-    """Whether dotted ``key`` (``stages[0].x`` style) was set by one of the ``a.b=v`` overrides."""
+    """Whether dotted ``key`` (``stages[0].x`` style) was set by one of the ``a.b=v`` overrides:
+    the key itself, one above it (``rollout={...}``) or one below it (``rollout.top_p.x=1``)."""
     norm = key.replace("[", ".").replace("]", "")
-    return any(norm == o.split("=", 1)[0].strip() or norm.startswith(o.split("=", 1)[0].strip() + ".")
-               for o in overrides)
+    return any(norm == k or norm.startswith(k + ".") or k.startswith(norm + ".")
+               for k in _override_keys(overrides))

@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from megatron_rl.common.errors import InputError
 from megatron_rl.data.config import DataConfig
 
 _MISSING = object()
 
 
-class DataError(ValueError):
+class DataError(InputError, ValueError):
     """A dataset file or one of its rows is malformed."""
 
 
@@ -42,47 +43,93 @@ class PromptRecord:
 
 
 def read_rows(path: str | Path, max_rows: int = 0) -> Iterator[tuple[int, Any]]:
-    """``(row_number, row)`` for every row (1-based); a row that is not valid JSON raises DataError."""
+    """``(row_number, row)`` for every row (1-based). A row that cannot be read (not UTF-8, not
+    JSON) comes as a :class:`DataError` in place of the row, so the caller can skip and count it; a
+    file that cannot be read at all raises DataError naming it."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file")
+    if not path.is_file():
+        raise DataError(f"{path}: not a file")
     suffix = path.suffix.lower()
-    n = 0
-    if suffix in (".jsonl", ".ndjson"):
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    yield lineno, DataError(f"{path}: row {lineno}: invalid JSON ({exc})")
-                    continue
-                yield lineno, row
-                n += 1
-                if max_rows and n >= max_rows:
-                    return
-    elif suffix == ".json":
-        try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}: invalid JSON ({exc})") from None
-        if not isinstance(rows, list):
-            raise DataError(f"{path}: a .json dataset must hold a list of rows")
-        yield from list(enumerate(rows, 1))[: max_rows or None]
-    elif suffix == ".parquet":
-        import pyarrow.parquet as pq
+    try:
+        if suffix in (".jsonl", ".ndjson"):
+            yield from _jsonl_rows(path, max_rows)
+        elif suffix == ".json":
+            yield from list(enumerate(_json_rows(path), 1))[: max_rows or None]
+        elif suffix == ".parquet":
+            yield from _parquet_rows(path, max_rows)
+        else:
+            raise DataError(f"{path}: unknown dataset format {suffix!r} (use .jsonl, .json or .parquet)")
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read ({exc.strerror or exc})") from None
 
+
+def _jsonl_rows(path: Path, max_rows: int) -> Iterator[tuple[int, Any]]:
+    n = 0
+    with path.open("rb") as f:  # decoded line by line: a bad byte is that row's fault only
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                yield lineno, DataError(f"{path}: row {lineno}: not UTF-8 text (byte {exc.start} of "
+                                        f"the line: {raw[exc.start:exc.start + 4]!r})")
+                continue
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield lineno, DataError(f"{path}: row {lineno}: invalid JSON ({exc})")
+                continue
+            yield lineno, row
+            n += 1
+            if max_rows and n >= max_rows:
+                return
+
+
+def _json_rows(path: Path) -> list:
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise DataError(f"{path}: line {line}: not UTF-8 text (byte {exc.start} of the file)") from None
+    if not text.strip():
+        raise DataError(f"{path}: empty file")
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}: invalid JSON ({exc})") from None
+    if not isinstance(rows, list):
+        raise DataError(f"{path}: a .json dataset must hold a list of rows")
+    return rows
+
+
+def _parquet_rows(path: Path, max_rows: int) -> Iterator[tuple[int, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: empty file")
+    try:
         pf = pq.ParquetFile(path)
-        rowno = 0
-        for batch in pf.iter_batches(batch_size=4096):
-            for row in batch.to_pylist():
-                rowno += 1
-                yield rowno, row
-                if max_rows and rowno >= max_rows:
-                    return
-    else:
-        raise DataError(f"{path}: unknown dataset format {suffix!r} (use .jsonl, .json or .parquet)")
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{path}: not a readable parquet file ({exc})") from None
+    rowno = 0
+    for group in range(pf.num_row_groups):
+        first = rowno + 1
+        try:
+            rows = pf.read_row_group(group).to_pylist()
+        except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
+            last = first + pf.metadata.row_group(group).num_rows - 1
+            raise DataError(f"{path}: rows {first}-{last} (row group {group}) cannot be read "
+                            f"({exc})") from None
+        for row in rows:
+            rowno += 1
+            yield rowno, row
+            if max_rows and rowno >= max_rows:
+                return
 
 
 def get_path(row: dict, dotted: str, default: Any = _MISSING) -> Any:
@@ -144,7 +191,8 @@ def load_prompts(path: str | Path, tokenizer, cfg: DataConfig | None = None,
 
     ``max_prompt_len`` overrides ``cfg.max_prompt_len`` (0 = no limit). Returns the records and
     counts: rows, loaded, too_long, bad_rows (skipped), filtered_* (difficulty filter),
-    prompt_len_max / prompt_len_mean of the loaded prompts.
+    prompt_len_max / prompt_len_mean of the loaded prompts. A file that leaves no prompt (empty,
+    every prompt too long, every row skipped or filtered) is a :class:`DataError` saying why.
     """
     cfg = cfg or DataConfig()
     cfg.validate()
@@ -176,7 +224,11 @@ def load_prompts(path: str | Path, tokenizer, cfg: DataConfig | None = None,
             if not isinstance(style, str) or not isinstance(source, str) or not isinstance(extra, dict):
                 raise DataError(f"{path}: row {rowno}: style and data_source must be strings and "
                                 f"{cfg.extra_key!r} an object")
-            text = render_prompt(msgs, tokenizer, use_template)
+            try:
+                text = render_prompt(msgs, tokenizer, use_template)
+            except Exception as exc:  # noqa: BLE001 - a template may raise anything on odd messages
+                raise DataError(f"{path}: row {rowno}: the chat template cannot render this prompt "
+                                f"({type(exc).__name__}: {exc})") from None
         except DataError:
             if cfg.on_bad_row == "raise":
                 raise
@@ -198,10 +250,28 @@ def load_prompts(path: str | Path, tokenizer, cfg: DataConfig | None = None,
         else:
             kept.append(rec)
     stats["loaded"] = len(kept)
+    if not kept:
+        raise DataError(f"{path}: no usable prompt: {_why_empty(stats, limit)}")
     lens = [len(r.prompt_ids) for r in kept]
     stats["prompt_len_max"] = max(lens, default=0)
     stats["prompt_len_mean"] = sum(lens) / len(lens) if lens else 0.0
     return kept, stats
+
+
+def _why_empty(stats: dict, limit: int) -> str:
+    if not stats["rows"]:
+        return "the file holds no rows"
+    parts = [f"{stats['rows']} rows read"]
+    if stats["too_long"]:
+        parts.append(f"{stats['too_long']} longer than the {limit}-token prompt limit "
+                     f"(rollout.max_prompt_len / data.max_prompt_len)")
+    if stats["bad_rows"]:
+        parts.append(f"{stats['bad_rows']} malformed and skipped (data.on_bad_row=skip)")
+    filtered = sum(v for k, v in stats.items() if k.startswith("filtered_"))
+    if filtered:
+        parts.append(f"{filtered} dropped by the difficulty filter (data.keep_labels / "
+                     f"data.pass_rate_min / data.pass_rate_max)")
+    return ", ".join(parts)
 
 
 def _tokenize(pending: list[tuple[str, PromptRecord]], tokenizer, use_template: bool,

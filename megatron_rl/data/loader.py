@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import random
 
+from megatron_rl.data.dataset import DataError
+
 
 class PromptLoader:
     def __init__(self, records: list, batch_size: int, seed: int = 0, shuffle: bool = True):
         if not records:
-            raise ValueError("PromptLoader needs at least one record")
+            raise DataError("PromptLoader needs at least one record")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.records = records
@@ -59,10 +61,10 @@ class PromptLoader:
         for key, mine in (("num_records", len(self.records)), ("seed", self.seed),
                           ("shuffle", self.shuffle)):
             if key in state and state[key] != mine:
-                raise ValueError(f"data loader state has {key}={state[key]!r} but this loader has "
+                raise DataError(f"data loader state has {key}={state[key]!r} but this loader has "
                                  f"{mine!r}: the dataset or its settings changed since the checkpoint")
         if not 0 <= state["pos"] <= len(self.records):
-            raise ValueError(f"data loader state pos={state['pos']} out of range")
+            raise DataError(f"data loader state pos={state['pos']} out of range")
         self.epoch = int(state["epoch"])
         self.pos = int(state["pos"])
         self._order = self._permutation(self.epoch)

@@ -38,6 +38,10 @@ class TinySpec(ConfigBase):
         super().validate()
         if self.arch not in ("llama", "qwen2", "qwen3"):
             self.fail("arch", f"must be llama, qwen2 or qwen3, got {self.arch!r}")
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "max_position_embeddings", "vocab_multiple"):
+            self.check_range(name, lo=1)
+        self.check_range("seed", lo=0)
         if self.hidden_size % self.num_heads:
             self.fail("num_heads", f"must divide hidden_size={self.hidden_size}, got {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
@@ -62,3 +66,6 @@ class SyntheticConfig(ConfigBase):
         super().validate()
         self.check_range("train_size", lo=1)
         self.check_range("eval_size", lo=1)
+        self.check_range("min_digits", lo=1)
+        if self.max_digits < self.min_digits:
+            self.fail("max_digits", f"must be >= min_digits ({self.min_digits}), got {self.max_digits}")

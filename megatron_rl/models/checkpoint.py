@@ -2,10 +2,9 @@
 LR schedule and step count, plus each rank's RNG states.
 
 Loadable at another TP x PP x DP layout with the same ``use_distributed_optimizer`` (the two
-optimizers store their state differently). Known gap: with the distributed optimizer, weights, step
-and schedule restore exactly but the Adam moments of the norm weights do not (the next step differs
-by ~0.35 lr in those weights, also at the same layout); the plain optimizer's checkpoints are exact
-across layouts.
+optimizers store their state differently). Both restore exactly: the step after a load equals the
+uninterrupted run's, also for a checkpoint written before the first optimizer step (the Megatron
+fixes this needs are in :mod:`megatron_rl.compat.megatron_fixes`).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from megatron_rl.compat import megatron_cpu_scope
-from megatron_rl.compat.megatron_fixes import init_empty_adam_state
+from megatron_rl.compat.megatron_fixes import init_optimizer_state
 from megatron_rl.models.config import PolicyConfig
 from megatron_rl.models.parallel import ParallelGroups, rng_tracker_states, set_rng_tracker_states
 
@@ -63,6 +62,7 @@ def save_checkpoint(policy: Checkpointable, ckpt_dir: str | Path) -> None:
         if any(path.iterdir()):
             raise FileExistsError(f"checkpoint directory {path} is not empty")
     g.barrier()
+    init_optimizer_state(policy.optimizer)  # before the first step there is none to save
     with megatron_cpu_scope():
         dist_checkpointing.save(_sharded_state_dict(policy, is_loading=False), str(path))
     rng_dir = path / _RNG_DIR
@@ -94,7 +94,7 @@ def load_checkpoint(policy: Checkpointable, ckpt_dir: str | Path) -> None:
     if saved != ours:
         raise ValueError(f"{path} was written with use_distributed_optimizer={saved}, this "
                          f"policy has {ours}: Megatron stores the two optimizers' states differently")
-    init_empty_adam_state(policy.optimizer)
+    init_optimizer_state(policy.optimizer)
     with megatron_cpu_scope():
         loaded = dist_checkpointing.load(_sharded_state_dict(policy, is_loading=True), str(path))
         for i, chunk in enumerate(policy.model):

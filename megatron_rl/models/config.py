@@ -89,6 +89,7 @@ class OptimConfig(ConfigBase):
         self.check_range("adam_eps", lo=0.0, lo_open=True)
         self.check_range("clip_grad", lo=0.0)
         self.check_range("lr_warmup_steps", lo=0)
+        self.check_range("lr_decay_steps", lo=1)
         if self.lr_decay_style != "constant":
             if self.lr_decay_steps is None:
                 self.fail("lr_decay_steps", f"is required with lr_decay_style="
@@ -120,3 +121,4 @@ class PolicyConfig(ConfigBase):
     def validate(self) -> None:
         super().validate()
         self.check_range("micro_batch_tokens", lo=1)
+        self.check_range("seed", lo=0)

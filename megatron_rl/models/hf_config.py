@@ -12,9 +12,17 @@ import json
 import math
 from pathlib import Path
 
+from megatron_rl.common.errors import InputError
 from megatron_rl.models.parallel import ModelShape
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
+# Sizes a model's config.json must give as positive integers.
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+class HFModelError(InputError, ValueError):
+    """A Hugging Face model directory cannot be used: its ``config.json`` is missing, unreadable or
+    describes what we cannot build, or its weights cannot be read or do not fit."""
 # Megatron's vocabulary is padded to a multiple of lcm(VOCAB_MULTIPLE, TP) (see HFArch.padded_vocab).
 VOCAB_MULTIPLE = 128
 
@@ -59,56 +67,79 @@ def _rope_theta(cfg: dict, path: Path) -> float:
     for where, spec in (("rope_parameters", params), ("rope_scaling", scaling)):
         kind = spec.get("rope_type", spec.get("type", "default"))
         if kind not in ("default", None):
-            raise ValueError(f"{path}: {where}.rope_type={kind!r} is not supported (only default "
-                             f"RoPE)")
+            raise HFModelError(f"{path}: {where}.rope_type={kind!r} is not supported (only "
+                                f"default RoPE)")
     theta = params.get("rope_theta", cfg.get("rope_theta"))
     if theta is None:
-        raise ValueError(f"{path}: no rope_theta (looked in rope_parameters and the top level)")
+        raise HFModelError(f"{path}: no rope_theta (looked in rope_parameters and the top level)")
     return float(theta)
 
 
+def _positive(cfg: dict, key: str, path: Path, default=None) -> int:
+    value = cfg.get(key, default)
+    if value is None:
+        raise HFModelError(f"{path}: {key} is missing")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise HFModelError(f"{path}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
 def read_hf_config(hf_dir: str | Path) -> HFArch:
-    """Parse ``hf_dir/config.json``; raise ValueError naming the file and field on anything
-    unsupported."""
+    """Parse ``hf_dir/config.json``; raise :class:`HFModelError` naming the file and field on
+    anything missing, non-positive or unsupported."""
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"no HF config at {path}")
-    cfg = json.loads(path.read_text())
+        raise HFModelError(f"no Hugging Face model at {hf_dir}: {path} does not exist")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise HFModelError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise HFModelError(f"{path}: expected a JSON object")
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED:
-        raise ValueError(f"{path}: model_type={model_type!r} is not supported; supported: "
-                         f"{list(SUPPORTED)}")
+        raise HFModelError(f"{path}: model_type={model_type!r} is not supported; supported: "
+                            f"{list(SUPPORTED)}")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
-        raise ValueError(f"{path}: hidden_act={act!r} is not supported (only silu / SwiGLU)")
+        raise HFModelError(f"{path}: hidden_act={act!r} is not supported (only silu / SwiGLU)")
     if cfg.get("use_sliding_window"):
-        raise ValueError(f"{path}: use_sliding_window=true is not supported")
+        raise HFModelError(f"{path}: use_sliding_window=true is not supported")
     if model_type == "llama":
         for key in ("attention_bias", "mlp_bias"):
             if cfg.get(key):
-                raise ValueError(f"{path}: {key}=true is not supported for llama")
+                raise HFModelError(f"{path}: {key}=true is not supported for llama")
         qkv_bias = False
     elif model_type == "qwen2":
         qkv_bias = True
     else:
         if cfg.get("attention_bias"):
-            raise ValueError(f"{path}: attention_bias=true is not supported for qwen3")
+            raise HFModelError(f"{path}: attention_bias=true is not supported for qwen3")
         qkv_bias = False
-    heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
+    sizes = {key: _positive(cfg, key, path) for key in _SIZES}
+    heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
+    kv_heads = _positive(cfg, "num_key_value_heads", path, default=heads)
+    if heads % kv_heads:
+        raise HFModelError(f"{path}: num_attention_heads ({heads}) is not a multiple of "
+                            f"num_key_value_heads ({kv_heads})")
+    head_dim = cfg.get("head_dim")
+    head_dim = _positive(cfg, "head_dim", path) if head_dim is not None else hidden // heads
+    if head_dim < 1:
+        raise HFModelError(f"{path}: hidden_size ({hidden}) / num_attention_heads ({heads}) < 1 "
+                            f"and no head_dim")
     return HFArch(
         model_type=model_type,
-        vocab_size=int(cfg["vocab_size"]),
+        vocab_size=sizes["vocab_size"],
         hidden_size=hidden,
-        ffn_hidden_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
+        ffn_hidden_size=sizes["intermediate_size"],
+        num_layers=sizes["num_hidden_layers"],
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
         rope_theta=_rope_theta(cfg, path),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         qk_norm=model_type == "qwen3",
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        max_position_embeddings=_positive(cfg, "max_position_embeddings", path, default=4096),
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.models.hf_config import HFArch
+from megatron_rl.models.hf_config import HFArch, HFModelError
 from megatron_rl.models.hf_rules import chunk_rules, expected_hf_names, shard
 from megatron_rl.models.parallel import ParallelGroups
 
@@ -19,28 +19,35 @@ class HFCheckpoint:
         self.dir = Path(hf_dir)
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: self.dir / f for name, f in weight_map.items()}
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                self.files = {name: self.dir / f for name, f in weight_map.items()}
+            except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+                raise HFModelError(f"{index}: not a safetensors index ({exc!r})") from None
         else:
             single = self.dir / "model.safetensors"
             if not single.is_file():
-                raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in "
-                                        f"{self.dir}")
-            from safetensors import safe_open
+                raise HFModelError(f"no model.safetensors or model.safetensors.index.json in "
+                                   f"{self.dir}")
+            self.files = {name: single for name in self._read(single, lambda f: list(f.keys()))}
 
-            with safe_open(single, "pt") as f:
-                self.files = {name: single for name in f.keys()}
+    @staticmethod
+    def _read(path: Path, fn):
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(path, "pt") as f:
+                return fn(f)
+        except (SafetensorError, OSError) as exc:
+            raise HFModelError(f"{path}: cannot read the weights ({exc})") from None
 
     def names(self) -> set[str]:
         return set(self.files)
 
     def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         if name not in self.files:
-            raise KeyError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
-        with safe_open(self.files[name], "pt") as f:
-            return f.get_tensor(name)
+            raise HFModelError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
+        return self._read(self.files[name], lambda f: f.get_tensor(name))
 
 
 @torch.no_grad()
@@ -55,8 +62,8 @@ def load_hf_weights(arch: HFArch, chunks: list, hf_dir: str | Path, groups: Para
     if arch.tie_embeddings:
         unknown = [n for n in unknown if n != "lm_head.weight"]  # some tied checkpoints keep it
     if unknown:
-        raise ValueError(f"{hf_dir}: tensors with no Megatron counterpart for {arch.model_type}: "
-                         f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+        raise HFModelError(f"{hf_dir}: tensors with no Megatron counterpart for {arch.model_type}: "
+                           f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
     for chunk in chunks:
         rules = chunk_rules(arch, chunk)
         params = dict(chunk.named_parameters())
@@ -68,6 +75,6 @@ def load_hf_weights(arch: HFArch, chunks: list, hf_dir: str | Path, groups: Para
             piece = shard(arch, rule, full, groups.tp, groups.tp_rank)
             param = params[name]
             if tuple(piece.shape) != tuple(param.shape):
-                raise ValueError(f"{hf_dir}: {rule.hf} give shape {tuple(piece.shape)} for Megatron "
-                                 f"parameter {name} of shape {tuple(param.shape)}")
+                raise HFModelError(f"{hf_dir}: {rule.hf} give shape {tuple(piece.shape)} for "
+                                   f"Megatron parameter {name} of shape {tuple(param.shape)}")
             param.copy_(piece.to(param.dtype))

@@ -15,13 +15,15 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from megatron_rl.rewards.base import (CORRECT, ERROR, UNPARSABLE, WRONG, Outcome, RewardItem,
                                       register_reward)
 from megatron_rl.rewards.extract import final_part
-from megatron_rl.rewards.sandbox import Sandbox, SandboxResult
+from megatron_rl.rewards.sandbox import Sandbox
 
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.S)
 
@@ -30,42 +32,79 @@ PRELUDE = ("from typing import *\nimport math, collections, itertools, heapq, bi
            "string, re\nfrom collections import *\nfrom itertools import *\nfrom functools import *\n"
            "from heapq import *\nfrom bisect import *\n")
 
-_CALL_DRIVER = """
-import json as _json, sys as _sys
-_args = _json.loads(_sys.stdin.read())
-if "Solution" in globals() and hasattr(globals()["Solution"], {name!r}):
-    _fn = getattr(Solution(), {name!r})
-else:
-    _fn = globals()[{name!r}]
-_sys.stdout.write("\\n__RESULT__" + _json.dumps(_fn(*_args)))
-"""
-_RESULT = "__RESULT__"
+HARNESS = (Path(__file__).with_name("harness.py")).read_text()
 
 
 @dataclass
 class Case:
-    """One test: the full program text, its stdin, and how to judge the run."""
+    """One test of a program.
 
-    source: str
-    stdin: str
+    ``stdio``: the program runs as ``main.py`` with ``stdin``; it passes when it exits 0 and its
+    stdout matches ``expected``. ``assert`` / ``call``: the harness (``rewards/harness.py``)
+    imports the program and runs ``tests`` (assert statements) or calls ``fn_name(*args)``; only
+    the harness's report decides (``call``: its result is compared with ``expected`` here, outside
+    the sandbox), never the exit status.
+    """
+
     kind: str  # "stdio" | "call" | "assert"
+    program: str
+    stdin: str = ""
     expected: object = None
+    prelude: str = ""
+    tests: str = ""
+    fn_name: str = ""
+    args: list = field(default_factory=list)
 
-    def passed(self, res: SandboxResult) -> bool:
-        if not res.ok:
-            return False
-        if self.kind == "stdio":
-            return stdout_matches(res.stdout, self.expected)
-        if self.kind == "call":
-            marker = res.stdout.rfind(_RESULT)
-            if marker < 0:
-                return False
-            try:
-                got = json.loads(res.stdout[marker + len(_RESULT):])
-            except ValueError:
-                return False
-            return _call_matches(got, self.expected)
-        return True  # "assert": the program ran its assertions to the end
+
+@dataclass
+class CaseResult:
+    passed: bool
+    detail: str  # why it failed ("" when it passed)
+
+
+def harness_report(channel: bytes, token: bytes) -> dict | None:
+    """The harness's report: exactly one line ``<token> <json object>``, else ``None``."""
+    prefix = token + b" "
+    if not channel.startswith(prefix) or not channel.endswith(b"\n") or channel.count(b"\n") != 1:
+        return None
+    try:
+        report = json.loads(channel[len(prefix):].decode("utf-8"))
+    except ValueError:
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def run_case(sandbox: Sandbox, case: Case) -> CaseResult:
+    """Run one case in the sandbox and judge it."""
+    if case.kind == "stdio":
+        res = sandbox.run_python(case.program, stdin=case.stdin)
+        if res.timed_out:
+            return CaseResult(False, "timeout")
+        if res.returncode != 0:
+            return CaseResult(False, f"rc={res.returncode} {res.stderr[-200:]}".strip())
+        ok = stdout_matches(res.stdout, case.expected)
+        return CaseResult(ok, "" if ok else "wrong output")
+    token = secrets.token_hex(16).encode()
+    spec = {"prelude": case.prelude, "tests": case.tests, "fn_name": case.fn_name, "args": case.args}
+    res = sandbox.run({"harness.py": HARNESS, "solution.py": case.program, "spec.json": json.dumps(spec)},
+                      [sandbox.python, "-I", "-B", "harness.py", case.kind], secret=token)
+    if res.timed_out:
+        return CaseResult(False, "timeout")
+    report = harness_report(res.channel, token)
+    if report is None:  # the process ended before the harness reported: the tests did not run
+        return CaseResult(False, f"no harness report (the program ended early, rc="
+                                        f"{res.returncode}) {res.stderr[-200:]}".strip())
+    if report.get("status") != "pass":
+        return CaseResult(False, f"{report.get('status')} in {report.get('stage')}: "
+                                        f"{report.get('error', '')}"[:300])
+    if case.kind == "assert":
+        return CaseResult(True, "")
+    try:
+        got = json.loads(report["result"])
+    except (KeyError, TypeError, ValueError):
+        return CaseResult(False, "unreadable result")
+    ok = _call_matches(got, case.expected)
+    return CaseResult(ok, "" if ok else "wrong result")
 
 
 def extract_code(response: str) -> str | None:
@@ -95,22 +134,22 @@ def build_cases(ground_truth, program: str) -> list[Case]:
             raise ValueError("ground truth has different numbers of inputs and outputs")
         name = gt.get("fn_name")
         if name:
-            source = PRELUDE + program + _CALL_DRIVER.format(name=name)
-            return [Case(source, json.dumps(i), "call", o) for i, o in zip(gt["inputs"], gt["outputs"])]
-        return [Case(program, _as_text(i), "stdio", o) for i, o in zip(gt["inputs"], gt["outputs"])]
+            return [Case("call", program, prelude=PRELUDE, fn_name=str(name), args=list(i), expected=o)
+                    for i, o in zip(gt["inputs"], gt["outputs"])]
+        return [Case("stdio", program, _as_text(i), o) for i, o in zip(gt["inputs"], gt["outputs"])]
     if isinstance(gt, list) and gt and all(isinstance(c, dict) and "input" in c and "output" in c
                                            for c in gt):
-        return [Case(program, _as_text(c["input"]), "stdio", c["output"]) for c in gt]
+        return [Case("stdio", program, _as_text(c["input"]), c["output"]) for c in gt]
     if isinstance(gt, dict) and isinstance(gt.get("assert_case"), list):
-        return [Case(PRELUDE + program + "\n" + str(stmt) + "\n", "", "assert")
+        return [Case("assert", program, prelude=PRELUDE, tests=str(stmt) + "\n")
                 for stmt in gt["assert_case"]]
     if isinstance(gt, dict) and "test_code" in gt and "entry_point" in gt:
         lines = [ln for ln in str(gt["test_code"]).split("\n") if ln.strip()]
         if len(lines) < 2:
             raise ValueError("test_code needs a check() header and at least one assert line")
         prefix = str(gt.get("import_prefix") or PRELUDE)
-        return [Case(f"{prefix}{program}\n{lines[0]}\n{line}\ncheck({gt['entry_point']})\n", "",
-                     "assert") for line in lines[1:]]
+        return [Case("assert", program, prelude=prefix,
+                     tests=f"{lines[0]}\n{line}\ncheck({gt['entry_point']})\n") for line in lines[1:]]
     raise ValueError("unknown code ground truth: expected {'inputs','outputs'[,'fn_name']}, a list "
                      "of {'input','output'}, {'assert_case'} or {'test_code','entry_point'}")
 
@@ -166,13 +205,11 @@ def code_reward(item: RewardItem, cfg) -> Outcome:
         if time.monotonic() + ccfg.sandbox.timeout_s > deadline:
             first_failure = first_failure or "time budget for this response exhausted"
             break
-        res = sandbox.run_python(case.source, stdin=case.stdin)
-        ok = case.passed(res)
-        passed += ok
-        if not ok and not first_failure:
-            first_failure = ("timeout" if res.timed_out else
-                             f"rc={res.returncode} {res.stderr[-200:]}".strip())
-        if not ok and stop_early:
+        res = run_case(sandbox, case)
+        passed += res.passed
+        if not res.passed and not first_failure:
+            first_failure = res.detail
+        if not res.passed and stop_early:
             break
     score = passed / len(cases) if ccfg.mode == "pass_rate" else float(passed == len(cases))
     status = CORRECT if passed == len(cases) else WRONG

@@ -44,16 +44,18 @@ class SandboxConfig(ConfigBase):
     max_procs: int = 8
     # Largest file the program may write, in MiB (RLIMIT_FSIZE; also bounds its captured output).
     file_size_mb: int = 16
-    # MiB the program may store in its working directory, and in each private /tmp-like dir
-    # (tmpfs, so RAM; namespace modes only — without namespaces only file_size_mb applies).
+    # MiB the program may store in its private /tmp (which holds its working directory) and in its
+    # private /dev/shm (tmpfs, so RAM; with bubblewrap only: without it only file_size_mb applies).
     disk_mb: int = 64
     # Bytes of stdout/stderr kept for scoring.
     max_output_bytes: int = 1 << 20
-    # Interpreter that runs the programs; "" finds python3 on /usr/local/bin:/usr/bin:/bin. It must be
-    # readable by the sandbox uid (a venv under /root is not).
+    # Interpreter that runs the programs; "" finds python3 on /usr/local/bin:/usr/bin:/bin. The program
+    # sees it (its prefixes and sys.path, read-only) and nothing else of the host; it must be readable
+    # by other users (a venv under /root is not).
     python: str = ""
-    # Refuse to run at all when the network cannot be cut off (no `unshare` namespace available).
-    # When false, programs run without network isolation and a warning is logged once.
+    # Refuse to run code rewards when the bubblewrap sandbox is unavailable (bwrap missing, or no user
+    # namespaces): the error names the fix (apt-get install bubblewrap). False is the explicit opt-in
+    # to run programs with rlimits only, without file-system or network isolation (warned once).
     require_isolation: bool = True
     # When running as root, programs run under a private uid drawn from
     # [uid_base, uid_base + uid_span), so RLIMIT_NPROC counts only that run's processes.

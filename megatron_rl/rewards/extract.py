@@ -1,15 +1,35 @@
-"""Answer extraction from a response: the last ``\\boxed{...}`` (balanced braces), with fallbacks."""
+"""Answer extraction from a response: the last ``\\boxed{...}`` (balanced braces), with fallbacks.
+
+Every function here is linear in the length of the response and bounded: they run in the trainer's
+process (``exact_boxed``, ``boxed_final``, the judge's prompt) with no timeout, so a degenerate
+response (a megabyte of ``\\boxedx``, of ``{``, of spaces after "answer is") must cost what reading
+it costs. The scans are single regular-expression passes whose patterns cannot backtrack more than
+a constant per character; the only Python-level loop (brace matching) stops after
+``MAX_BOXED_CHARS`` characters. Readable character-by-character references of the same rules are in
+``tests/unit/rewards/test_extract_linear.py``, which checks both agreement and linear cost.
+"""
 
 from __future__ import annotations
 
+import collections
 import re
 
-_BOX_OPENERS = ("\\boxed", "\\fbox")
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
-_ANSWER_IS = re.compile(r"(?:final answer|answer)\s*(?:is|:)\s*\$?([^\n$]+?)\$?\s*(?:\.|$)", re.I | re.M)
-
+#: A ``\\boxed{`` whose closing brace does not come within this many characters counts as unclosed
+#: (no answer): a final answer is short, and this bounds the one Python-level loop here.
+MAX_BOXED_CHARS = 10_000
 
 THINK_END = "</think>"
+
+# An opener that really opens a box: followed by "{", or by a space and (after any white space) a
+# token. "\boxedfoo" is not a box, nor is "\boxed" followed by white space only.
+_BOX = re.compile(r"\\(?:boxed|fbox)(?:(\{)| (?=\s*\S))")
+_BRACE = re.compile(r"[{}]")
+_TOKEN = re.compile(r"\S+")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_ANSWER_IS = re.compile(r"(?:final answer|answer)[ \t]*(?:is:?|:)", re.I)
+# After the phrase: white space, an optional "$", then the answer up to the end of the line, a "$", or a
+# sentence-ending period (a "." followed by white space or the end of the text; "3.5" keeps its dot).
+_PHRASE_TAIL = re.compile(r"\s*\$?([^\n$]*?)(?=\n|\$|\.(?:\s|$)|$)")
 
 
 def final_part(text: str) -> str:
@@ -18,39 +38,29 @@ def final_part(text: str) -> str:
     return text if i < 0 else text[i + len(THINK_END):]
 
 
+def _last(it):
+    """The last item of an iterator (consumed in C), or ``None``."""
+    d = collections.deque(it, maxlen=1)
+    return d[0] if d else None
+
+
 def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces kept), or ``None``.
 
-    ``\\boxed 5`` (no braces) yields the next token. An unclosed box yields ``None``.
+    ``\\boxed 5`` (no braces) yields the next token. An unclosed box (or one longer than
+    ``MAX_BOXED_CHARS``) yields ``None``: the response was probably truncated.
     """
-    best = -1
-    opener = ""
-    for op in _BOX_OPENERS:
-        i = text.rfind(op)
-        if i > best:
-            best, opener = i, op
-    while best >= 0:
-        j = best + len(opener)
-        rest = text[j:]
-        if rest.startswith("{"):
-            depth = 0
-            for k, ch in enumerate(rest):
-                if ch == "{":
-                    depth += 1
-                elif ch == "}":
-                    depth -= 1
-                    if depth == 0:
-                        return rest[1:k]
-            return None  # unclosed: the response was probably truncated
-        if rest.startswith(" "):
-            token = rest.strip().split()
-            if token:
-                return token[0].rstrip("$.")
-        # "\boxedfoo" is not a box: look for an earlier one
-        prev = max(text.rfind(op, 0, best) for op in _BOX_OPENERS)
-        best = prev
-        if best >= 0:
-            opener = next(op for op in _BOX_OPENERS if text.startswith(op, best))
+    m = _last(_BOX.finditer(text))
+    if m is None:
+        return None
+    start = m.end()
+    if m.group(1) is None:  # "\boxed 5": the next token
+        return _TOKEN.search(text, start).group().rstrip("$.")
+    depth = 1
+    for b in _BRACE.finditer(text, start, start + MAX_BOXED_CHARS):
+        depth += 1 if b.group() == "{" else -1
+        if depth == 0:
+            return text[start:b.start()]
     return None
 
 
@@ -61,14 +71,23 @@ def normalize_ws(s: str) -> str:
 
 def last_number(text: str) -> str | None:
     """The last number in ``text`` (thousands separators removed), or ``None``."""
-    found = _NUMBER.findall(text)
-    return found[-1].replace(",", "") if found else None
+    m = _last(_NUMBER.finditer(text))
+    return m.group().replace(",", "") if m else None
 
 
 def answer_phrase(text: str) -> str | None:
-    """The text after the last "answer is" / "answer:" phrase, or ``None``."""
-    found = _ANSWER_IS.findall(text)
-    return found[-1].strip() if found else None
+    """The answer after the last "answer is" / "answer:" phrase that states one, or ``None``.
+
+    The answer starts after white space (also line breaks) and an optional ``$``, and runs to the
+    end of its line, a ``$`` or a sentence-ending period (trailing spaces dropped); a phrase
+    followed by nothing counts as none and an earlier one is used.
+    """
+    phrases = [m.end() for m in _ANSWER_IS.finditer(text)]
+    for end in reversed(phrases):
+        answer = _PHRASE_TAIL.match(text, end).group(1).rstrip()
+        if answer:
+            return answer
+    return None
 
 
 def extract_answer(text: str, fallback_last_number: bool = False) -> str | None:

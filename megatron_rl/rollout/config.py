@@ -154,6 +154,9 @@ class RolloutConfig(ConfigBase):
             self.fail("top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
         for name in ("timeout_s", "start_timeout_s", "control_timeout_s"):
             self.check_range(name, lo=0.0, lo_open=True)
+        self.check_range("kv_cache_bytes", lo=0)
+        self.check_range("gpu_memory_utilization", lo=0.0, hi=1.0, lo_open=True)
+        self.check_range("eval_max_tokens", lo=1)
         if self.async_.needs_streaming and self.engine != "vllm":
             what = "partial_rollout" if self.async_.partial_rollout else "oversample"
             self.async_.fail(what, "needs an engine that loads weights with requests in flight and stops them "

@@ -67,6 +67,11 @@ class DifficultyConfig(ConfigBase):
         for name in ("k", "max_tokens", "batch_prompts"):
             self.check_range(name, lo=1)
         self.check_range("temperature", lo=0.0, lo_open=True)
+        self.check_range("top_p", lo=0.0, hi=1.0, lo_open=True)
+        if self.top_k == 0 or self.top_k < -1:
+            self.fail("top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
+        self.check_range("seed", lo=0)
+        self.check_range("summary_examples", lo=0)
         self.check_range("hard_max_pass_rate", lo=0.0, hi=1.0)
         self.check_range("agree_frac", lo=0.0, hi=1.0, lo_open=True)
 
@@ -194,7 +199,7 @@ def write_annotated(src: str | Path, dst: str | Path, records: list[PromptRecord
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
     else:
-        raise ValueError(f"{dst}: write .jsonl or .parquet")
+        raise DataError(f"{dst}: write .jsonl or .parquet")
     return len(rows)
 
 
@@ -209,6 +214,8 @@ def run(data_path: str, model_path: str, out_path: str, summary_path: str | None
     for what, path in (("data", data_path), ("model", model_path)):
         if not Path(path).exists():
             raise DataError(f"{what}: no such file or directory: {path}")
+    if Path(out_path).suffix not in (".parquet", ".jsonl", ".ndjson"):
+        raise DataError(f"{out_path}: the annotated copy is written as .jsonl or .parquet")
     t0 = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     records, stats = load_prompts(data_path, tokenizer, cfg.data)
@@ -256,7 +263,7 @@ def cli_main(argv: list[str]) -> int:
     if argv[:1] == ["--"]:  # `megatron-rl data difficulty -- --data ...` passes the separator on
         argv = argv[1:]
     args = p.parse_args(argv)
-    cfg = load(DifficultyConfig, args.config, args.overrides, validate=False)  # run() validates
+    cfg = load(DifficultyConfig, args.config, args.overrides)
     summary = run(args.data, args.model, args.out, args.summary, cfg)
     print(json.dumps({"labels": summary["labels"], "pass_rate_mean": summary["pass_rate_mean"]}))
     return 0

@@ -1,8 +1,10 @@
 """Where a stage starts, resumable checkpoints, and the end of a stage.
 
-A stage resumes from its own newest complete checkpoint if there is one; otherwise it starts from
-the previous stage's ``final`` (found in the run directory, no conversion), or for the first stage
-from ``trainer.init_from``, the SFT cold start's result, or the base model.
+A stage resumes from its own newest intact checkpoint if there is one (a damaged newer one is passed
+over with a warning naming the file); otherwise it starts from the previous stage's ``final`` (found
+in the run directory, no conversion), or for the first stage from ``trainer.init_from``, the SFT
+cold start's result, or the base model. A damaged start checkpoint is a :class:`CheckpointError`
+naming the file. Saves are atomic (see :mod:`megatron_rl.trainer.state`).
 """
 
 from __future__ import annotations
@@ -13,11 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from megatron_rl.data import PromptLoader
 from megatron_rl.trainer.config import StageConfig
 from megatron_rl.trainer.context import Context
 from megatron_rl.trainer.evaluate import sync_weights
-from megatron_rl.trainer.state import RunDir, TrainerState, capture_rng, restore_rng
+from megatron_rl.trainer.state import (STATE_FILE, CheckpointError, RunDir, TrainerState, capture_rng,
+                                      checkpoint_damage, commit, remove_dir, restore_rng, staging_dir,
+                                      write_manifest)
 
 if TYPE_CHECKING:
     from megatron_rl.trainer.async_rollout import RolloutScheduler
@@ -33,21 +39,65 @@ def start_point(ctx: Context, stage_name: str) -> Path | None:
     if i > 0:
         prev = run.final_dir(names[i - 1])
         if not RunDir.is_complete(prev):
-            raise RuntimeError(f"stage {stage_name!r} starts from stage {names[i - 1]!r}'s final checkpoint, "
-                               f"but {prev} does not exist (or is incomplete): run that stage first")
-        return prev
+            raise CheckpointError(f"stage {stage_name!r} starts from stage {names[i - 1]!r}'s final "
+                                  f"checkpoint, but {prev} does not exist (or is incomplete): run that "
+                                  f"stage first")
+        return _intact(prev)
     if cfg.trainer.init_from:
         p = Path(cfg.trainer.init_from)
         if not RunDir.is_complete(p):
-            raise RuntimeError(f"trainer.init_from={p} is not a complete checkpoint (no trainer_state.json)")
-        return p
+            raise CheckpointError(f"trainer.init_from={p} is not a complete checkpoint (no {STATE_FILE})")
+        return _intact(p)
     sft_final = run.final_dir("sft")
-    return sft_final if RunDir.is_complete(sft_final) else None
+    return _intact(sft_final) if RunDir.is_complete(sft_final) else None
+
+
+def _intact(ckpt: Path) -> Path:
+    problem = checkpoint_damage(ckpt)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {ckpt} is damaged: {problem}")
+    return ckpt
+
+
+def resume_point(ctx: Context, stage_name: str) -> Path | None:
+    """The stage's newest intact step checkpoint (:meth:`RunDir.latest_step_checkpoint`, which the
+    rollout scheduler restores from too); a damaged newer one is passed over, with a warning naming
+    the file (the steps since the previous checkpoint run again)."""
+    for ckpt in ctx.run.step_checkpoints(stage_name):
+        problem = checkpoint_damage(ckpt)
+        if problem is None:
+            return ckpt
+        log.warning("stage %s: not resuming from %s, it is damaged (%s): falling back to the previous "
+                    "checkpoint", stage_name, ckpt, problem)
+    return None
+
+
+def _choose(ctx: Context, stage_name: str) -> tuple[Path | None, bool]:
+    """(checkpoint, resume?) for the stage, decided on the driver and the same on every rank."""
+    choice: tuple | str | None = None
+    if ctx.is_driver:
+        try:
+            ckpt = resume_point(ctx, stage_name)
+            choice = (ckpt, True) if ckpt is not None else (start_point(ctx, stage_name), False)
+        except CheckpointError as exc:
+            choice = str(exc)
+    choice = ctx.broadcast(choice)
+    if isinstance(choice, str):
+        raise CheckpointError(choice)
+    return choice
 
 
 def _load(ctx: Context, ckpt: Path, stage_name: str, resume: bool) -> TrainerState:
-    ctx.policy.load_checkpoint(str(ckpt / "policy"))
-    state = RunDir.read_state(ckpt)
+    try:
+        state = RunDir.read_state(ckpt)
+        ctx.policy.load_checkpoint(str(ckpt / "policy"))
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as exc:  # torch's CheckpointException is a BaseException
+        detail = str(exc).strip().splitlines()
+        raise CheckpointError(f"checkpoint {ckpt} cannot be loaded ({type(exc).__name__}: "
+                              f"{detail[-1] if detail else ''}); move it aside to start from the "
+                              f"previous one") from exc
     if not resume:  # a new stage: counters restart, the run-wide ones carry over
         state = TrainerState(stage=stage_name, global_step=state.global_step,
                              weight_version=state.weight_version, data_loader=state.data_loader,
@@ -56,15 +106,13 @@ def _load(ctx: Context, ckpt: Path, stage_name: str, resume: bool) -> TrainerSta
 
 
 def begin_stage(ctx: Context, stage: StageConfig) -> tuple[TrainerState, PromptLoader | None]:
-    cfg, run = ctx.cfg, ctx.run
-    ckpt = run.latest_step_checkpoint(stage.name)
-    if ckpt is not None:
+    cfg = ctx.cfg
+    ckpt, resume = _choose(ctx, stage.name)
+    if resume:
         log.info("stage %s: resuming from %s", stage.name, ckpt)
-        state = _load(ctx, ckpt, stage.name, resume=True)
     else:
-        src = start_point(ctx, stage.name)
-        log.info("stage %s: starting from %s", stage.name, src or f"the base model {ctx.model_path}")
-        state = _load(ctx, src, stage.name, resume=False) if src else TrainerState(stage=stage.name)
+        log.info("stage %s: starting from %s", stage.name, ckpt or f"the base model {ctx.model_path}")
+    state = _load(ctx, ckpt, stage.name, resume) if ckpt else TrainerState(stage=stage.name)
     if stage.lr is not None:
         ctx.policy.set_lr(stage.lr)
     loader = None
@@ -75,7 +123,7 @@ def begin_stage(ctx: Context, stage: StageConfig) -> tuple[TrainerState, PromptL
     if state.entropy_controller:
         ctx.entropy_ctl.load_state_dict(state.entropy_controller)
     restore_rng(state.rng)
-    if ckpt is not None or state.weight_version:
+    if resume or state.weight_version:
         # The engine must hold the weights this stage starts from, under their own version (a
         # version names weights: rollouts saved with a checkpoint keep their staleness).
         sync_weights(ctx, state.weight_version)
@@ -84,19 +132,23 @@ def begin_stage(ctx: Context, stage: StageConfig) -> tuple[TrainerState, PromptL
 
 def write_checkpoint(ctx: Context, ckpt: Path, state: TrainerState, loader: PromptLoader | None,
                      also: Callable[[Path], None] | None = None) -> None:
-    """Write a checkpoint; ``also(ckpt)`` adds more to it before it is marked complete."""
-    if ctx.is_driver and ckpt.exists():  # a half-written or superseded checkpoint: start clean
-        shutil.rmtree(ckpt)
+    """Write a checkpoint atomically: into a staging directory, ``also(staging)`` adding more to it,
+    the manifest and the trainer state last, then renamed to ``ckpt`` (replacing an older one)."""
+    staging = staging_dir(ckpt)
+    if ctx.is_driver:
+        remove_dir(staging)  # left by a killed save
+        staging.mkdir(parents=True)
     ctx.groups.barrier()
-    ckpt.mkdir(parents=True, exist_ok=True)
-    ctx.policy.save_checkpoint(str(ckpt / "policy"))
+    ctx.policy.save_checkpoint(str(staging / "policy"))
     if also is not None:
-        also(ckpt)
+        also(staging)
     if ctx.is_driver:
         state.data_loader = loader.state_dict() if loader is not None else state.data_loader
         state.entropy_controller = ctx.entropy_ctl.state_dict()
         state.rng = capture_rng()
-        RunDir.write_state(ckpt, state)  # last: marks the checkpoint complete
+        write_manifest(staging)
+        RunDir.write_state(staging, state)  # last: the staging directory is complete
+        commit(staging, ckpt)
     ctx.groups.barrier()
 
 
@@ -135,6 +187,6 @@ def finish_stage(ctx: Context, stage: StageConfig, state: TrainerState, loader: 
         if stage.name not in rs["finished_stages"]:
             rs["finished_stages"].append(stage.name)
         ctx.run.write_run_state(rs)
-        shutil.rmtree(ctx.run.stage_dir(stage.name) / "checkpoints", ignore_errors=True)
+        remove_dir(ctx.run.stage_dir(stage.name) / "checkpoints")
         log.info("stage %s: finished at step %d -> %s", stage.name, state.step, final)
     return final

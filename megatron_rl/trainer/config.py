@@ -42,7 +42,8 @@ class StageConfig(ConfigBase):
         if not self.name or "/" in self.name:
             self.fail("name", f"must be a non-empty name without '/', got {self.name!r}")
         self.check_range("max_response_len", lo=1)
-        self.check_range("max_steps", lo=0)
+        self.check_range("max_steps", lo=1)
+        self.check_range("lr", lo=0.0)
 
 
 @dataclass(kw_only=True)
@@ -78,6 +79,9 @@ class SFTConfig(ConfigBase):
             self.check_range(name, lo=1)
         self.check_range("lr", lo=0.0, lo_open=True)
         self.check_range("stop_accuracy", lo=0.0, hi=1.0)
+        self.check_range("slow_down_factor", lo=0.0, hi=1.0, lo_open=True)
+        self.check_range("slow_down_at", lo=0.0, hi=1.0)
+        self.check_range("max_seconds", lo=0.0)
 
 
 @dataclass(kw_only=True)
@@ -110,5 +114,8 @@ class TrainerConfig(ConfigBase):
 
     def validate(self) -> None:
         super().validate()
+        if not self.run_dir.strip():
+            self.fail("run_dir", "must be a directory path, got an empty string")
+        self.check_range("seed", lo=0)
         self.check_range("save_every", lo=0)
         self.check_range("keep_checkpoints", lo=1)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_rl.algo import EntropyController
+from megatron_rl.common.errors import InputError
 from megatron_rl.models.parallel import ParallelGroups
 from megatron_rl.trainer.state import RunDir
 from megatron_rl.trainer.stop import StopRequest
@@ -94,7 +95,7 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
     """Policy on every rank; engines, rewards, data and tracker on the driver; the weight sync."""
     from transformers import AutoTokenizer
 
-    from megatron_rl.data import DataConfig, load_prompts
+    from megatron_rl.models.hf_config import HFModelError
     from megatron_rl.models.policy import MegatronPolicy
     from megatron_rl.rewards import RewardManager
     from megatron_rl.sync.base import build_weight_sync
@@ -102,11 +103,29 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
     from megatron_rl.trainer.engines import build_engine, expected_engines, start_colocated
 
     run = RunDir(cfg.trainer.run_dir)
-    launcher = start_colocated(cfg, model_path, groups)  # first: servers boot while the policy builds
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as exc:  # no tokenizer files, or ones transformers cannot read
+        raise HFModelError(f"{model_path}: cannot load the tokenizer ({exc})") from None
+    train_records, eval_records, problem = [], [], None
+    if groups.rank == 0:  # the data first: a bad file fails before any model or engine is built
+        try:
+            run.recover()  # what a save killed mid-way left behind
+            train_records, eval_records = _load_data(cfg, tokenizer)
+        except InputError as exc:
+            problem = exc
+    if groups.world_size > 1:  # every rank stops with the driver's error, none waits for it
+        box = [None if problem is None else str(problem)]
+        torch.distributed.broadcast_object_list(box, src=0)
+        if box[0] is not None and problem is None:
+            problem = InputError(box[0])
+    if problem is not None:
+        raise problem
+    launcher = start_colocated(cfg, model_path, groups)  # servers boot while the policy builds
     policy = MegatronPolicy.from_hf(model_path, cfg.policy, groups)
     ctx = Context(cfg=cfg, run=run, groups=groups, policy=policy, tokenizer=tokenizer, model_path=model_path,
-                  entropy_ctl=EntropyController(cfg.algo.entropy), stop=stop, launcher=launcher)
+                  entropy_ctl=EntropyController(cfg.algo.entropy), stop=stop, launcher=launcher,
+                  train_records=train_records, eval_records=eval_records)
     names = expected_engines(cfg, groups) if cfg.rollout.engine == "vllm_server" else None
     if launcher is not None:
         launcher.wait_ready()
@@ -116,15 +135,6 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
     if ctx.is_driver:
         ctx.engine = build_engine(cfg, model_path, names)
         ctx.reward_mgr = RewardManager(cfg.reward)
-        max_len = cfg.rollout.max_prompt_len
-        ctx.train_records, stats = load_prompts(cfg.data.train_path, tokenizer, cfg.data, max_prompt_len=max_len)
-        log.info("train data: %s", stats)
-        if cfg.eval.path:  # the held-out set is never filtered by difficulty labels
-            eval_cfg = DataConfig.from_dict({**cfg.data.to_dict(), "keep_labels": [], "pass_rate_min": 0.0,
-                                             "pass_rate_max": 1.0})
-            ctx.eval_records, _ = load_prompts(cfg.eval.path, tokenizer, eval_cfg, max_prompt_len=max_len)
-            if cfg.eval.size:
-                ctx.eval_records = ctx.eval_records[: cfg.eval.size]
         run_state = run.read_run_state()
         ctx.tracker = Tracker(cfg.tracking, run.root, cfg.to_dict(), wandb_run_id=run_state.get("wandb_run_id"))
         if ctx.tracker.wandb_run_id and run_state.get("wandb_run_id") != ctx.tracker.wandb_run_id:
@@ -133,3 +143,25 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
                                         metadata=policy.export_hf_metadata())
     ctx.weight_sync.connect()
     return ctx
+
+
+def _load_data(cfg: RunConfig, tokenizer) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """Training and held-out prompts (prompts longer than rollout.max_prompt_len dropped and
+    counted); a :class:`DataError` names the file when one cannot serve the run."""
+    from megatron_rl.data import DataConfig, DataError, load_prompts
+
+    max_len = cfg.rollout.max_prompt_len
+    train, stats = load_prompts(cfg.data.train_path, tokenizer, cfg.data, max_prompt_len=max_len)
+    log.info("train data: %s", stats)
+    if cfg.sft.enabled and len(train) <= cfg.sft.eval_size:
+        raise DataError(f"{cfg.data.train_path}: {len(train)} usable prompts, but the SFT cold start "
+                        f"holds out sft.eval_size={cfg.sft.eval_size} of them for validation and "
+                        f"trains on the rest: lower sft.eval_size or add data")
+    held_out = []
+    if cfg.eval.path:  # the held-out set is never filtered by difficulty labels
+        eval_cfg = DataConfig.from_dict({**cfg.data.to_dict(), "keep_labels": [], "pass_rate_min": 0.0,
+                                         "pass_rate_max": 1.0})
+        held_out, _ = load_prompts(cfg.eval.path, tokenizer, eval_cfg, max_prompt_len=max_len)
+        if cfg.eval.size:
+            held_out = held_out[: cfg.eval.size]
+    return train, held_out

@@ -89,6 +89,28 @@ def validate_cross(cfg: RunConfig) -> None:
     if cfg.rollout.rollout_batch_size % n_mb:
         raise ConfigError("algo.mini_batches", f"must divide rollout.rollout_batch_size="
                                                f"{cfg.rollout.rollout_batch_size}, got {n_mb}")
+    if cfg.rollout.group_size < 2:  # every registered estimator centres rewards within a group
+        raise ConfigError("rollout.group_size", f"must be >= 2 with algo.adv_estimator="
+                                                f"{cfg.algo.adv_estimator!r}: a group of one response "
+                                                f"has zero reward variance, so no response would ever "
+                                                f"get an advantage, got {cfg.rollout.group_size}")
+    if cfg.sft.control and not cfg.sft.enabled:
+        raise ConfigError("sft.control", "needs sft.enabled=true: the control experiment starts from "
+                                         "the cold start's checkpoint")
+    if cfg.model.tiny is not None and not cfg.model.path:
+        check_model_limits(cfg, cfg.model.tiny.max_position_embeddings, "model.tiny")
+
+
+def check_model_limits(cfg: RunConfig, max_positions: int, model: str) -> None:
+    """Every stage's prompt + response must fit the model's positions (before anything is built);
+    ``model`` says where the limit comes from (the config key or the model's config.json)."""
+    for i, s in enumerate(cfg.stages):
+        need = cfg.rollout.max_prompt_len + s.max_response_len
+        if need > max_positions:
+            raise ConfigError(f"stages[{i}].max_response_len",
+                              f"stage {s.name!r}: rollout.max_prompt_len ({cfg.rollout.max_prompt_len}) + "
+                              f"max_response_len ({s.max_response_len}) = {need} exceeds the model's "
+                              f"max_position_embeddings ({max_positions}, {model})")
 
 
 def _substitute_run_dir(tree: dict) -> dict:

@@ -78,3 +78,37 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def run_state(run_dir: Path) -> dict:
     return json.loads((run_dir / "run_state.json").read_text())
+
+
+RECIPE_DOC = REPO / "docs" / "recipe.md"
+LOCAL_CLUSTER_HEADING = "### On this machine"
+
+
+def local_cluster_block() -> list[str]:
+    """The command lines of docs/recipe.md's local-cluster block (continuation lines joined)."""
+    text = RECIPE_DOC.read_text()
+    assert LOCAL_CLUSTER_HEADING in text, f"{RECIPE_DOC} lost its heading {LOCAL_CLUSTER_HEADING!r}"
+    section = text[text.index(LOCAL_CLUSTER_HEADING):]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    lines, pending = [], ""
+    for raw in block.splitlines():
+        if raw.rstrip().endswith("\\"):
+            pending += raw.rstrip()[:-1]
+            continue
+        lines.append(pending + raw)
+        pending = ""
+    return [ln for ln in lines if ln.strip()]
+
+
+def documented_command(needle: str, run_dir: Path, nemo_run_dir: Path | None = None) -> str:
+    """A bash script of the documented local-cluster command containing ``needle``, as written,
+    preceded by the block's ``export`` line; only the demo config becomes the test's miniature and
+    the run directories the test's."""
+    lines = local_cluster_block()
+    exports = [ln for ln in lines if ln.startswith("export ")]
+    (cmd,) = [ln for ln in lines if needle in ln]
+    script = "\n".join(["set -e", *exports, cmd])
+    script = script.replace("configs/demo_cpu.yaml", str(MINI_RECIPE))
+    if nemo_run_dir is not None:
+        script = script.replace("$PWD/runs/demo-nemo", str(nemo_run_dir))
+    return script.replace("$PWD/runs/demo", str(run_dir))

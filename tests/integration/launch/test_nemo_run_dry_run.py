@@ -99,7 +99,7 @@ def test_torchrun_arguments(dry_run_text):
     assert _option(node_cmd, "--nnodes") == "2"
     assert _option(node_cmd, "--nproc-per-node") == "8"
     assert _option(node_cmd, "--rdzv-backend") == "c10d"
-    assert _option(node_cmd, "--rdzv-endpoint") == "$head_node_ip:29500"
+    assert _option(node_cmd, "--rdzv-endpoint") == "$head_node_ip:$((20000+SLURM_JOB_ID%20000))"
     assert _option(node_cmd, "--max-restarts") == "0"
     j = node_cmd.index("-m")
     assert node_cmd[j + 1:j + 3] == ["megatron_rl.cli", "train"]
@@ -122,3 +122,29 @@ def test_bad_request_names_the_field(nemo_run_env):
         LaunchConfig(stage=1, container_mounts=["/no-colon"]).validate()
     with pytest.raises(ConfigError, match="config"):
         LaunchConfig(stage=1, config="configs/nope.yaml").validate()
+
+
+def test_documented_dry_run_has_undoubled_paths(nemo_run_env):
+    """docs/recipe.md's dry-run command, as written: the log and working-directory paths are one
+    path each under $NEMORUN_HOME/experiments (NeMo-Run once doubled a path containing /nemo_run)."""
+    doc = (REPO / "docs" / "recipe.md").read_text()
+    (line,) = [ln for ln in doc.splitlines() if ln.startswith("python -m launch.run") and "--dry-run" in ln]
+    argv = shlex.split(line.split("#")[0])
+    proc = subprocess.run([sys.executable, *argv[1:]], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout[proc.stdout.index("#!/bin/bash"):]
+    out = _sbatch_directives(text)["output"]
+    srun = _srun_line(text)
+    chdir, log = _option(srun, "--chdir"), _option(srun, "--output")
+    exp_root = f"{nemo_run_env}/experiments/"
+    for path in (out, chdir, log):
+        assert path.startswith(exp_root) and path.count(exp_root) == 1, path
+    job_dir = out.rsplit("/", 1)[0]
+    assert chdir == f"{job_dir}/code" and log.rsplit("/", 1)[0] == job_dir
+
+
+def test_paths_nemo_run_would_mangle_are_refused(nemo_run_env, tmp_path):
+    bad = tmp_path / "nemo_run" / "run"
+    proc = subprocess.run([sys.executable, "-m", "launch.run", "--stage", "1", "--executor", "slurm", "--dry-run",
+                           "--run-dir", str(bad)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "run_dir" in proc.stderr and "/nemo_run" in proc.stderr, proc.stderr[-2000:]

@@ -1,7 +1,9 @@
 """The recipe's stage scripts on a real one-node Slurm cluster, with the CPU miniature.
 
-- ``sbatch --wait slurm/stage1_8k.sh`` then ``sbatch --wait slurm/stage2_16k.sh`` (env overrides:
-  the miniature config, one direct process, the test's run dir). Stage 2 runs at learning rate 0,
+- ``sbatch --wait ... slurm/stage1_8k.sh`` then ``... slurm/stage2_16k.sh``: the command lines of
+  docs/recipe.md's local-cluster block, run as written (only the config is the miniature's and the
+  run dir the test's; the log path and a time limit come from SBATCH_OUTPUT / SBATCH_TIMELIMIT in
+  the environment, which the commands leave alone). Stage 2 runs at learning rate 0,
   so "it started from stage 1's final weights" has an exact, independent check: its final weights
   are bit-equal to stage 1's final export (and those differ from the base model).
 - During stage 2, ``scancel --signal=USR1 --batch`` (what ``--signal=B:USR1@N`` does before the
@@ -27,28 +29,39 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.launch.conftest import MINI_RECIPE, REPO, read_metrics, run_state, trainer_env
+from tests.integration.launch.conftest import (MINI_RECIPE, REPO, documented_command, local_cluster_block,
+                                              read_metrics, run_state, trainer_env)
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 STAGE1, STAGE2 = "stage1_12", "stage2_16"
 STAGE1_STEPS, STAGE2_STEPS = 3, 6
 JOB_TIMEOUT_S = 600
-# Settings of the miniature jobs on the local cluster: one node, a fake GPU, both cores.
-SBATCH_FLAGS = ["--nodes=1", "--gpus-per-node=1", "--cpus-per-task=2", "--time=00:20:00"]
 
 
-def _job_env(run_dir: Path, overrides: str = "") -> dict[str, str]:
-    return trainer_env(CONFIG=str(MINI_RECIPE), RUN_DIR=str(run_dir), LAUNCHER="direct",
-                       NPROC_PER_NODE="1", OVERRIDES=overrides)
+def test_documented_local_cluster_commands_fit_the_local_cluster():
+    """The block brings the cluster up and down around commands that fit its one node."""
+    lines = local_cluster_block()
+    assert lines[0].startswith("scripts/slurm_cluster.sh") and lines[-1].startswith("scripts/slurm_cluster.sh stop")
+    sbatch = [line for line in lines if "sbatch" in line.split()]
+    assert len(sbatch) == 2
+    for line in sbatch:
+        assert "--nodes=1" in line, f"the scripts ask for 4 nodes; the local cluster has one: {line}"
+    (nemo,) = [line for line in lines if "launch.run" in line]
+    assert "--nodes 1" in nemo and "--executor slurm" in nemo
 
 
 def _sbatch(script: str, run_dir: Path, overrides: str = "") -> subprocess.Popen:
-    """``sbatch --wait --parsable`` in the background; its first output line is the job id."""
-    return subprocess.Popen(
-        ["sbatch", "--wait", "--parsable", *SBATCH_FLAGS, f"--output={run_dir.parent}/slurm-%j.out",
-         str(REPO / "slurm" / script)],
-        cwd=REPO, env=_job_env(run_dir, overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """docs/recipe.md's ``sbatch --wait ... slurm/<script>`` in the background; it prints the job id first."""
+    env = trainer_env(OVERRIDES=overrides, SBATCH_OUTPUT=f"{run_dir.parent}/slurm-%j.out",
+                      SBATCH_TIMELIMIT="00:20:00")
+    return subprocess.Popen(["bash", "-c", documented_command(f"slurm/{script}", run_dir)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _job_id(line: str) -> str:
+    m = re.search(r"Submitted batch job (\d+)", line)
+    return m.group(1) if m else "?"
 
 
 def _in_log(text: str, log: str) -> bool:
@@ -88,7 +101,7 @@ def run_dir(tmp_path_factory) -> Path:
 def stage1(slurm_cluster, run_dir):
     job = _sbatch("stage1_8k.sh", run_dir)
     out, err = job.communicate(timeout=JOB_TIMEOUT_S)
-    job_id = out.split()[0] if out.split() else "?"
+    job_id = _job_id(out)
     return {"rc": job.returncode, "job_id": job_id, "log": _job_log(run_dir, job_id), "stderr": err}
 
 
@@ -97,8 +110,9 @@ def stage2(stage1, run_dir):
     assert stage1["rc"] == 0, f"stage 1 failed:\n{stage1['log'][-4000:]}"
     overrides = f"stages.1.lr=0.0 stages.1.max_steps={STAGE2_STEPS}"
     job = _sbatch("stage2_16k.sh", run_dir, overrides)
-    job_id = job.stdout.readline().strip()
-    assert job_id.isdigit(), f"sbatch printed {job_id!r}; stderr: {job.stderr.read() if job.poll() is not None else ''}"
+    first = job.stdout.readline()
+    job_id = _job_id(first)
+    assert job_id.isdigit(), f"sbatch printed {first!r}; stderr: {job.stderr.read() if job.poll() is not None else ''}"
     # Signal once the first stage-2 checkpoint exists: the trainer is then between or inside steps.
     try:
         _wait_for(run_dir / STAGE2 / "checkpoints" / "step_000001" / "trainer_state.json", job, JOB_TIMEOUT_S)

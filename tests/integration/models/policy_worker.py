@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint  # noqa: F401 - CheckpointException
 
 sys.path.insert(0, str(Path(__file__).parent))
 from policy_testlib import make_batch, make_loss_fn  # noqa: E402
@@ -117,6 +118,38 @@ def run_checkpoints(out, hf_dir, ckpt_root):
                               "f_loaded": f_loaded, "f_step2": f_step2, "mismatch": mismatch})
 
 
+def run_resume_exact(out, hf_dir, ckpt_root):
+    """Resume against the uninterrupted run, per layout: three steps with checkpoints before the
+    first step (a stage whose groups all had zero variance so far) and after it; fresh policies
+    load each and run the remaining steps. A failure is recorded (the other cases still run)."""
+    batch = make_batch(LENGTHS, PROMPTS, seed=7)
+    loss_fn = make_loss_fn(batch)
+
+    def step(policy):
+        policy.train_step(batch, loss_fn, TEMPERATURE, with_entropy=True)
+        return _export(policy)
+
+    result = {}
+    for name, layout in (("distopt_tp2_dp2", dict(tp=2, distopt=True)),
+                         ("plain_tp2_pp2", dict(tp=2, pp=2))):
+        try:
+            ref = _policy(hf_dir, **layout)
+            ref.save_checkpoint(ckpt_root / f"{name}_step0")
+            uninterrupted = [step(ref)]
+            ref.save_checkpoint(ckpt_root / f"{name}_step1")
+            uninterrupted += [step(ref), step(ref)]
+            resumed = {}
+            for start in (0, 1):
+                policy = _policy(hf_dir, **layout)
+                policy.load_checkpoint(ckpt_root / f"{name}_step{start}")
+                resumed[start] = [step(policy) for _ in range(3 - start)]
+            result[name] = {"uninterrupted": uninterrupted, "resumed": resumed}
+        except (Exception, torch.distributed.checkpoint.api.CheckpointException) as exc:
+            # reported by the test (torch's CheckpointException is a BaseException)
+            result[name] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+    _save(out, "resume_exact", result)
+
+
 def run_bad_layouts(out, hf_dir):
     """Impossible layouts: a ConfigError naming the values, and no model is ever built."""
     from megatron_rl.config.base import ConfigError
@@ -164,6 +197,7 @@ def main() -> None:
         "sparse_dp4": lambda: run_layout(out, llama, "sparse_dp4", sparse=True),
         "roundtrip": lambda: run_round_trip(out, hf_root),
         "checkpoint": lambda: run_checkpoints(out, llama, out / "ckpt"),
+        "resume_exact": lambda: run_resume_exact(out, llama, out / "ckpt"),
         "bad_layouts": lambda: run_bad_layouts(out, llama),
     }
     for name, fn in cases.items():

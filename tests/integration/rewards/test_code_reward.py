@@ -8,10 +8,8 @@ import pytest
 
 from megatron_rl.rewards import RewardConfig, RewardItem
 from megatron_rl.rewards.code import build_cases, code_reward, extract_code, stdout_matches
-from megatron_rl.rewards.sandbox import isolation_mode
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120),
-              pytest.mark.skipif(isolation_mode() == "none", reason="no namespaces here")]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.usefixtures("bwrap_sandbox")]
 
 # sum of two numbers; expected outputs computed here, independently of any program under test
 CASES = [(f"{a} {b}\n", f"{a + b}\n") for a, b in [(1, 2), (10, -3), (0, 0), (7, 8)]]
@@ -82,7 +80,7 @@ def test_pure_helpers():
     assert extract_code("```\na\n```\n```python\nb\n```\n```js\nc\n```") == "b\n"
     assert extract_code("```js\nc\n```") == "c\n"
     (case,) = build_cases([{"input": "1", "output": "2"}], "print(2)")
-    assert (case.kind, case.stdin, case.expected) == ("stdio", "1", "2")
+    assert (case.kind, case.stdin, case.expected, case.program) == ("stdio", "1", "2", "print(2)")
     assert extract_code("<think>```python\nwrong\n```</think>```python\nright\n```") == "right\n"
     with pytest.raises(ValueError, match="unknown code ground truth"):
         build_cases({"tests": []}, "x")
@@ -90,3 +88,66 @@ def test_pure_helpers():
     assert stdout_matches("0.3333333", "0.33333333")
     assert not stdout_matches("0.34", "0.33")
     assert not stdout_matches("1 2", "1 2 3")
+
+
+# ---- reward hacks: a wrong program that ends the process early must not pass ---------------------
+WRONG_ADD = "def add(xs):\n    return -1\n"
+RIGHT_ADD = "def add(xs):\n    return sum(xs)\n"
+# Ground truths of the three harness-run shapes, two cases each; `add` must return the sum.
+HARNESS_GTS = {
+    "assert_case": {"assert_case": ["assert add([1, 2]) == 3", "assert add([5]) == 5"]},
+    "test_code": {"test_code": "def check(candidate):\n    assert candidate([2]) == 2\n"
+                               "    assert candidate([2, 2]) == 4\n", "entry_point": "add"},
+    "call": {"fn_name": "add", "inputs": [[[1, 2]], [[4]]], "outputs": [3, 4]},
+}
+EARLY_ENDS = {
+    "sys_exit": "import sys\nsys.exit(0)\n",
+    "os_exit": "import os\nos._exit(0)\n",
+    "raise_systemexit": "raise SystemExit(0)\n",
+    "atexit_os_exit": "import atexit, os\natexit.register(os._exit, 0)\n",
+    "atexit_systemexit": "import atexit, sys\natexit.register(sys.exit, 0)\n",
+    "sigkill_self": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n",
+    "close_stdout": "import sys, os\nsys.stdout.close()\nos.close(1)\n",
+    "exec_true": "import os\nos.execv('/bin/true', ['true'])\n",
+    "exec_python": "import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'pass'])\n",
+    "quiet_excepthook": "import sys\nsys.excepthook = lambda *a: None\n",
+    # forges what an exit-status or stdout based harness would read, then leaves
+    "forged_output": ("import sys, json\nprint('\\n__RESULT__' + json.dumps(3))\n"
+                      "print('pass')\nsys.stdout.flush()\nsys.exit(0)\n"),
+    "forged_report_fds": ("import os\nfor fd in range(3, 64):\n    try:\n"
+                          "        os.write(fd, b'x {\"status\": \"pass\", \"result\": \"3\"}\\n')\n"
+                          "    except OSError:\n        pass\nos._exit(0)\n"),
+}
+
+
+@pytest.mark.parametrize("hack", sorted(EARLY_ENDS))
+def test_wrong_program_that_ends_early_scores_zero(hack):
+    for shape, gt in HARNESS_GTS.items():
+        # the early end both before the tests and (for atexit-style hooks) around them
+        for program in (EARLY_ENDS[hack] + WRONG_ADD, WRONG_ADD + EARLY_ENDS[hack]):
+            out = code_reward(RewardItem(_resp(program), gt, "code"), _cfg())
+            assert out.score == 0.0 and out.status == "wrong", (shape, program, out)
+
+
+def test_right_program_passes_through_the_harness_and_cannot_read_the_tests():
+    # A main guard does not run (the program is imported); the tests file is gone before it runs.
+    program = ("import os, sys\nassert not os.path.exists('spec.json'), os.listdir('.')\n" + RIGHT_ADD
+               + "if __name__ == '__main__':\n    sys.exit(1)\n")
+    for shape, gt in HARNESS_GTS.items():
+        out = code_reward(RewardItem(_resp(program), gt, "code"), _cfg())
+        assert out.score == 1.0 and out.extracted == "2/2 passed", (shape, out)
+    out = code_reward(RewardItem(_resp(RIGHT_ADD + "import sys\nsys.exit(0)\n"), HARNESS_GTS["call"], "code"),
+                      _cfg())
+    assert out.score == 0.0 and "exited" in out.detail  # ended before the harness could call it
+
+
+def test_no_process_of_the_program_outlives_the_report():
+    """A child left behind waits for the harness's report and appends to it: the harness kills the
+    program's other processes before it reports, so the report stays whole (and a right program
+    passes)."""
+    tamper = ("import os\nif os.fork() == 0:\n    while True:\n        for fd in range(3, 32):\n"
+              "            try:\n                if os.fstat(fd).st_size:\n"
+              "                    os.write(fd, b'tampered\\n')\n                    os._exit(0)\n"
+              "            except OSError:\n                pass\n")
+    out = code_reward(RewardItem(_resp(tamper + RIGHT_ADD), HARNESS_GTS["assert_case"], "code"), _cfg())
+    assert out.score == 1.0, out

@@ -1,0 +1,134 @@
+"""The run directory's checkpoint protocol on plain files: what counts as complete, damage found
+before anything is loaded (naming the file), the fall-back to the previous checkpoint, a damaged
+run_state.json, and what start-up recovery does with a save that a kill interrupted. The same
+protocol under real kill -9 with the real policy: tests/integration/trainer/test_checkpoint_atomic.py."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_rl.trainer.checkpointing import resume_point
+from megatron_rl.trainer.state import (STATE_FILE, CheckpointError, RunDir, TrainerState,
+                                      checkpoint_damage, commit, staging_dir, write_manifest)
+
+
+def fake_checkpoint(ckpt, step: int, shard: bytes = b"x" * 1000):
+    """What write_checkpoint leaves: files, then the manifest, then the trainer state."""
+    (ckpt / "policy").mkdir(parents=True)
+    (ckpt / "policy" / "__0_0.distcp").write_bytes(shard)
+    (ckpt / "policy" / "metadata.json").write_text("{}")
+    write_manifest(ckpt)
+    RunDir.write_state(ckpt, TrainerState(stage="s", step=step))
+    return ckpt
+
+
+@pytest.fixture
+def run(tmp_path):
+    run = RunDir(tmp_path / "run")
+    for step in (1, 2, 3):
+        fake_checkpoint(run.step_dir("s", step), step)
+    return run
+
+
+def test_intact_checkpoints_and_the_newest_first(run):
+    assert [p.name for p in run.step_checkpoints("s")] == ["step_000003", "step_000002", "step_000001"]
+    assert all(checkpoint_damage(p) is None for p in run.step_checkpoints("s"))
+
+
+@pytest.mark.parametrize("damage,says", [
+    ("truncate", "999 bytes, 1000 when it was written"),
+    ("delete", "missing"),
+    ("state_json", STATE_FILE),
+    ("state_fields", STATE_FILE),
+    ("manifest", "manifest.json"),
+])
+def test_damage_is_found_naming_the_file(run, damage, says):
+    ckpt = run.step_dir("s", 3)
+    shard = ckpt / "policy" / "__0_0.distcp"
+    if damage == "truncate":
+        shard.write_bytes(b"x" * 999)
+    elif damage == "delete":
+        shard.unlink()
+    elif damage == "state_json":
+        (ckpt / STATE_FILE).write_text('{"step": 3,')
+    elif damage == "state_fields":
+        (ckpt / STATE_FILE).write_text('{"no_such_field": 1}')
+    else:
+        (ckpt / "manifest.json").write_bytes(b"\xff\xfe")
+    problem = checkpoint_damage(ckpt)
+    assert problem is not None and says in problem and str(ckpt) in problem, problem
+
+
+def test_resume_falls_back_to_the_previous_checkpoint_and_says_so(run, caplog):
+    (run.step_dir("s", 3) / "policy" / "__0_0.distcp").write_bytes(b"short")
+    (run.step_dir("s", 2) / STATE_FILE).write_text("not json")
+    ctx = SimpleNamespace(run=run)
+    with caplog.at_level(logging.WARNING, logger="megatron_rl"):
+        assert resume_point(ctx, "s") == run.step_dir("s", 1)
+    warned = "\n".join(r.getMessage() for r in caplog.records)
+    assert "step_000003" in warned and "__0_0.distcp" in warned and "falling back" in warned
+    assert "step_000002" in warned and STATE_FILE in warned
+    # every checkpoint damaged: nothing to resume from (the stage starts over, after the warnings)
+    (run.step_dir("s", 1) / "policy" / "metadata.json").unlink()
+    assert resume_point(ctx, "s") is None
+
+
+def test_checkpoints_from_before_manifests_are_taken_as_they_are(run):
+    ckpt = run.step_dir("s", 3)
+    (ckpt / "manifest.json").unlink()
+    assert checkpoint_damage(ckpt) is None
+
+
+@pytest.mark.parametrize("content", ['{"finished_stages": ["s1"', "[1, 2]", '{"finished_stages": 3}',
+                                     b"\xff\xfe"])
+def test_damaged_run_state_names_the_file(tmp_path, content):
+    run = RunDir(tmp_path)
+    p = tmp_path / "run_state.json"
+    p.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(CheckpointError) as e:
+        run.read_run_state()
+    assert str(p) in str(e.value) and "damaged" in str(e.value)
+
+
+def test_run_state_round_trip_and_defaults(tmp_path):
+    run = RunDir(tmp_path / "r")
+    assert run.read_run_state() == {"finished_stages": [], "sft_done": False}
+    run.write_run_state({"finished_stages": ["a"], "wandb_run_id": "x"})
+    assert run.read_run_state() == {"finished_stages": ["a"], "wandb_run_id": "x", "sft_done": False}
+    assert not list((tmp_path / "r").glob("*.tmp"))
+
+
+def test_commit_replaces_and_recover_finishes_or_clears(run):
+    final = run.final_dir("s")
+    fake_checkpoint(final, 10)
+    # a save that got as far as its trainer state, killed before its commit: finished by recover
+    fake_checkpoint(staging_dir(final), 11)
+    # a save killed while writing: no trainer state yet, cleared by recover
+    half = staging_dir(run.step_dir("s", 4))
+    (half / "policy").mkdir(parents=True)
+    (half / "policy" / "__0_0.distcp").write_bytes(b"x")
+    # a deletion killed after its rename: cleared
+    trash = run.step_dir("s", 1).parent / ".step_000001.trash-1-2"
+    run.step_dir("s", 1).rename(trash)
+    run.recover()
+    assert RunDir.read_state(final).step == 11 and checkpoint_damage(final) is None
+    assert not staging_dir(final).exists() and not half.exists() and not trash.exists()
+    assert [p.name for p in run.step_checkpoints("s")] == ["step_000003", "step_000002"]
+    # a plain commit over an existing checkpoint
+    fake_checkpoint(staging_dir(final), 12)
+    commit(staging_dir(final), final)
+    assert RunDir.read_state(final).step == 12 and not list(final.parent.glob(".*"))
+
+
+def test_prune_keeps_the_newest(run):
+    run.prune("s", 2)
+    assert [p.name for p in run.step_checkpoints("s")] == ["step_000003", "step_000002"]
+    assert not list(run.step_dir("s", 1).parent.glob(".*"))
+
+
+def test_read_state_of_a_missing_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        RunDir.read_state(tmp_path)
