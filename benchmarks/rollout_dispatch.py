@@ -18,7 +18,8 @@ run:
 3. Verification: the same sync with one checksum per packed bucket (sender and every worker hash,
    one all-gather at the end): ``verify_overhead`` = (verified - unverified) / unverified, against
    the naive way (hashing each of the 2403 tensors separately, as the old per-tensor checksums did;
-   sender side only) over the floor.
+   sender side only) over the floor. Then the functional check ``sync.verify`` adds in a run: the
+   three servers score the probe sequence (``probe_vs_sync`` = its time / the unverified sync).
 
 Times are medians of ``--repeats`` rounds, on a shared machine: the load average is printed beside
 them. The last line is one JSON object with the headline figures.
@@ -155,6 +156,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    vocab = hf.config.vocab_size
     named = [(n, p.detach().clone()) for n, p in hf.named_parameters()]
     del hf
     meta = [(n, t.dtype, tuple(t.shape)) for n, t in named]
@@ -215,6 +217,19 @@ def main() -> None:
                     times[verify].append(m.seconds)
                     hash_s += [m.verify_seconds] if verify else []
             sync.close()
+        # the functional check a trainer adds with sync.verify: every server scores the probe
+        # sequence after loading (timed alone here: all servers at once, as the sync settles them)
+        from concurrent.futures import ThreadPoolExecutor
+
+        from megatron_rl.sync.probe import probe_length, probe_tokens
+
+        tokens = probe_tokens(vocab, probe_length(32 + args.max_tokens))
+        probe_s = []
+        with ThreadPoolExecutor(len(engines)) as pool:
+            for _ in range(args.repeats):
+                t = time.perf_counter()
+                list(pool.map(lambda e: e.score(tokens), engines))
+                probe_s.append(time.perf_counter() - t)
         fleet.close()
     floor = floor_times(total, len(HOSTS), args.repeats)
     t0 = time.perf_counter()
@@ -231,8 +246,11 @@ def main() -> None:
     print(f"verify_overhead = {(on - off) / off:.3f} (sender hashing {statistics.median(hash_s):.3f}s, overlapped "
           f"with the transfer); naive per-tensor checksums on the sender alone: {per_tensor:.3f}s = "
           f"{per_tensor / fl:.2f}x the floor")
+    probe = statistics.median(probe_s)
+    print(f"probe (3 servers score {len(tokens)} tokens, concurrently): {probe:.3f}s = "
+          f"{probe / off:.3f}x the unverified sync")
     print(json.dumps({"straggler_speedup": round(s_med / f_med, 3), "sync_vs_floor": round(off / fl, 3),
-                      "verify_overhead": round((on - off) / off, 3)}))
+                      "verify_overhead": round((on - off) / off, 3), "probe_vs_sync": round(probe / off, 3)}))
 
 
 if __name__ == "__main__":

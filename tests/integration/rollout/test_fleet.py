@@ -63,6 +63,7 @@ def fleet_env(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("fleet")
     model = str(write_tiny_model(root / "model", SPEC))
+    _amplify_layers(model)
     args, env = server_args(SyncConfig(transport="gloo"))
     specs = []
     for host, name in zip(HOSTS, NAMES):
@@ -79,6 +80,20 @@ def fleet_env(tmp_path_factory):
                "version": 0}
     finally:
         launcher.stop()
+
+
+def _amplify_layers(model: str, factor: float = 4.0) -> None:
+    """Scale the layers' output projections: a random tied model's residual stream is its input
+    token's embedding, so its next token is that token (greedy repeats it whatever the weights);
+    louder layers make greedy outputs depend on them."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(model) / "model.safetensors"
+    tensors = load_file(str(path))
+    for name in tensors:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = tensors[name] * factor
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def _fleet(env, **kw) -> EngineFleet:
@@ -210,6 +225,7 @@ def test_fleet_gloo_sync_through_vllm_rl_routes_matches_transformers(fleet_env):
         stale = _probe(hf)  # what an engine still on the old weights computes
         _retrain(hf, seed=1)
         assert [hf_greedy(hf, p, 10) for p in PROMPTS[:4]] != before, "retrain did not change outputs"
+        assert max(abs(a - b) for a, b in zip(_probe(hf).logprobs, stale.logprobs)) > 0.1
         sync.set_probe(_probe(hf))
         m = sync.sync(_named(hf), version=1)
         fleet_env["version"] = 1
