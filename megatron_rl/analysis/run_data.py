@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from megatron_rl.tracking.rollouts import read_rollouts
-from megatron_rl.tracking.wrong_labels import FILE_NAME as WRONG_LABELS_FILE
+from megatron_rl.data.wrong_labels import FILE_NAME as WRONG_LABELS_FILE
 
 # The demo's record of what it planted (``demo.planted_wrong_labels``): {"wrong_label": [uid, ...],
 # "hard": [uid, ...]}; present only when labels were planted.

@@ -13,7 +13,7 @@ Given one prompt's samples (right or wrong, and the answer each gave), :func:`la
 * ``mixed``: everything else (a useful training prompt).
 
 The same rule labels a dataset offline (``megatron-rl data difficulty``) and watches the prompts of a
-training run live (:mod:`megatron_rl.tracking.wrong_labels`); only who collects the samples differs.
+training run live (:mod:`megatron_rl.data.wrong_labels`); only who collects the samples differs.
 """
 
 from __future__ import annotations

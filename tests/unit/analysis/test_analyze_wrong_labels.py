@@ -8,7 +8,7 @@ import pytest
 
 from megatron_rl.data.labels import label_prompt
 from megatron_rl.tracking.rollouts import read_rollouts
-from megatron_rl.tracking.wrong_labels import FILE_NAME, WrongLabelConfig, WrongLabelMonitor
+from megatron_rl.data.wrong_labels import FILE_NAME, WrongLabelConfig, WrongLabelMonitor
 from tests.unit.analysis.synthetic_run import make_run
 
 
