@@ -15,10 +15,7 @@ import pandas as pd
 
 from megatron_rl.tracking.rollouts import read_rollouts
 from megatron_rl.data.wrong_labels import FILE_NAME as WRONG_LABELS_FILE
-
-# The demo's record of what it planted (``demo.planted_wrong_labels``): {"wrong_label": [uid, ...],
-# "hard": [uid, ...]}; present only when labels were planted.
-PLANTED_FILE = "data/planted.json"
+from megatron_rl.data.wrong_labels import PLANTED_FILE
 TIMING_PARTS = ("gen", "reward", "logprob", "update", "sync", "dump", "other")
 
 

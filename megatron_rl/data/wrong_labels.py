@@ -23,6 +23,10 @@ from megatron_rl.data.labels import canonical_answer, label_prompt
 
 SUSPECT = "suspected_wrong_label"
 FILE_NAME = "wrong_labels.json"
+# Known answers to score the list against, relative to the run directory: {"wrong_label": [uid,
+# ...], "hard": [uid, ...]} (prompts known to be mislabelled / hard but rightly labelled). The demo
+# writes it when it plants labels (synthetic.wrong_label_fraction); a reviewed list works the same.
+PLANTED_FILE = "data/planted.json"
 
 
 @dataclass(kw_only=True)

@@ -1,17 +1,11 @@
 """Data cleaning: tell hard questions from wrong labels, Skywork-style offline filtering.
 
-Sample ``k`` responses per prompt, score them against the label, and label the prompt:
+Sample ``k`` responses per prompt, score them against the label, and label the prompt solved /
+mixed / hard / unsolved / suspected_wrong_label with the difficulty rule,
+:func:`megatron_rl.data.labels.label_prompt` (the same rule watches a training run's prompts live,
+:mod:`megatron_rl.data.wrong_labels`).
 
-* ``solved``: k/k right;
-* ``suspected_wrong_label``: the samples mostly agree on one answer that differs from the ground
-  truth (at least ``agree_frac`` of all k samples, and more often than the label is matched). The
-  signature of a wrong label: mostly "wrong" with the same confident answer, rarely "right" by
-  coincidence. Checked before ``unsolved`` so a 0/k prompt with a consensus is flagged;
-* ``unsolved``: 0/k right, answers scattered;
-* ``hard``: rarely right (pass rate <= ``hard_max_pass_rate``), wrong answers scattered;
-* ``mixed``: everything else (a useful training prompt).
-
-The labeller (:func:`label_prompt`) is a pure function; :func:`annotate` runs an engine and the
+The labeller is a pure function; :func:`annotate` runs an engine and the
 reward manager over a dataset; :func:`cli_main` is ``megatron-rl data difficulty``. The annotated
 dataset is the input with ``extra_info.difficulty = {label, pass_rate, k, n_correct,
 majority_wrong_answer, majority_wrong_frac, distinct_wrong_answers}`` added to each labelled row;
@@ -31,8 +25,8 @@ from pathlib import Path
 from megatron_rl.config.base import ConfigBase
 from megatron_rl.data.config import DataConfig
 from megatron_rl.data.dataset import DataError, PromptRecord, load_prompts, read_rows
+from megatron_rl.data.labels import DifficultyLabel, canonical_answer, label_prompt  # noqa: F401  (re-exported)
 from megatron_rl.rewards.config import RewardConfig
-from megatron_rl.rewards.extract import normalize_ws
 from megatron_rl.rollout.config import RolloutConfig
 
 log = logging.getLogger(__name__)
@@ -76,55 +70,6 @@ class DifficultyConfig(ConfigBase):
         self.check_range("agree_frac", lo=0.0, hi=1.0, lo_open=True)
 
 
-@dataclass
-class DifficultyLabel:
-    label: str
-    pass_rate: float
-    k: int
-    n_correct: int
-    majority_wrong_answer: str | None
-    majority_wrong_frac: float
-    distinct_wrong_answers: int
-
-
-def canonical_answer(answer: str | None) -> str | None:
-    """A vote key: whitespace and ``$`` removed, plain numbers in one form (``4.0`` == ``4``)."""
-    if answer is None:
-        return None
-    a = normalize_ws(answer).strip("$")
-    if not a:
-        return None
-    try:
-        x = float(a.replace("{,}", "").replace(",", ""))
-    except ValueError:
-        return a
-    return repr(int(x)) if x.is_integer() and abs(x) < 1e15 else repr(x)
-
-
-def label_prompt(correct: list[bool], answers: list[str | None], *, hard_max_pass_rate: float = 0.25,
-                 agree_frac: float = 0.5) -> DifficultyLabel:
-    """Label one prompt from its k samples' correctness and extracted answers (see module doc)."""
-    if len(correct) != len(answers) or not correct:
-        raise ValueError("need one answer per sample and at least one sample")
-    k = len(correct)
-    n = sum(bool(c) for c in correct)
-    wrong = Counter(a for c, raw in zip(correct, answers) if not c
-                    for a in [canonical_answer(raw)] if a is not None)
-    top, top_n = (wrong.most_common(1)[0] if wrong else (None, 0))
-    frac = top_n / k
-    if n == k:
-        label = "solved"
-    elif frac >= agree_frac and top_n > n:
-        label = "suspected_wrong_label"
-    elif n == 0:
-        label = "unsolved"
-    elif n / k <= hard_max_pass_rate:
-        label = "hard"
-    else:
-        label = "mixed"
-    return DifficultyLabel(label, n / k, k, n, top, frac, len(wrong))
-
-
 def annotate(engine, records: list[PromptRecord], reward_mgr, cfg: DifficultyConfig
              ) -> list[DifficultyLabel]:
     """Sample ``cfg.k`` responses per record, score them, label each record."""
@@ -143,6 +88,7 @@ def annotate(engine, records: list[PromptRecord], reward_mgr, cfg: DifficultyCon
             lo, hi = j * cfg.k, (j + 1) * cfg.k
             labels.append(label_prompt([s >= cfg.correct_reward for s in scores[lo:hi]],
                                        [d["extracted"] for d in details[lo:hi]],
+                                       ground_truth=chunk[j].ground_truth,
                                        hard_max_pass_rate=cfg.hard_max_pass_rate,
                                        agree_frac=cfg.agree_frac))
         log.info("difficulty: %d/%d prompts labelled", len(labels), len(records))

@@ -1,10 +1,12 @@
 """Where log lines go: ours on the console, every library's chatter in ``RUN_DIR/logs/``.
 
-The console is for people: our progress and one summary line per step, plus any library's warning
-or error. vLLM's, transformers', Megatron's and the others' INFO lines ("Reloading and processing
-weights took 0.02 seconds", "Successfully reset prefix cache") and Python warnings go only to
-``RUN_DIR/logs/run.log`` (every record, ours too; ``run.rank<r>.log`` on other ranks).
-``tracking.console_libraries`` (``--verbose`` on the command line) brings them back to the console.
+The console is for people: our progress and one summary line per step, and any library's error.
+vLLM's, transformers', Megatron's and the others' INFO lines ("Reloading and processing weights
+took 0.02 seconds", "Successfully reset prefix cache"), their warnings (counted: the run says how
+many at its end) and Python warnings go only to ``RUN_DIR/logs/run.log`` (every record, ours too;
+``run.rank<r>.log`` on other ranks). ``tracking.console_libraries`` (``--verbose`` on the command
+line) brings them back to the console. Output a library writes straight to the terminal (vLLM's
+weight-loading bar, C++ warnings) is not a log record and stays.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 OURS = "megatron_rl"
 # Loggers that install their own console handlers; their records are routed through the root.
-SELF_CONFIGURED = ("vllm",)
+SELF_CONFIGURED = ("vllm", "transformers")
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -25,20 +27,31 @@ def quiet_vllm_console() -> None:
 
 
 class ConsoleFilter(logging.Filter):
-    """Ours at every level; a library's record only from WARNING up (everything with ``verbose``)."""
+    """Ours at every level; a library's record only from ERROR up (everything with ``verbose``).
+    ``hidden_warnings`` counts the libraries' warnings kept off the console."""
 
     def __init__(self, verbose: bool = False):
         super().__init__()
         self.verbose = verbose
+        self.hidden_warnings = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
         if self.verbose or record.name == OURS or record.name.startswith(OURS + "."):
             return True
-        return record.levelno >= logging.WARNING and record.name != "py.warnings"
+        if record.levelno >= logging.ERROR and record.name != "py.warnings":
+            return True
+        self.hidden_warnings += record.levelno >= logging.WARNING
+        return False
 
 
 def _console_handlers(root: logging.Logger) -> list[logging.Handler]:
     return [h for h in root.handlers if not isinstance(h, logging.FileHandler)]
+
+
+def hidden_warnings() -> int:
+    """Libraries' warnings kept off the console so far (they are in RUN_DIR/logs/run.log)."""
+    return max((f.hidden_warnings for h in _console_handlers(logging.getLogger()) for f in h.filters
+                if isinstance(f, ConsoleFilter)), default=0)
 
 
 def set_console_verbose(verbose: bool) -> None:
@@ -75,9 +88,14 @@ def route_logs(run_dir: str | Path, *, verbose: bool = False, rank: int = 0) -> 
             if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
                 lib.removeHandler(h)
         lib.propagate = True
-    # Libraries log INFO into the file; the console filter keeps it off the screen.
-    for name in ("vllm", "transformers", "megatron", "urllib3", "wandb", "torch", "httpx"):
-        logging.getLogger(name).setLevel(logging.INFO)
+    logging.getLogger("vllm").setLevel(logging.INFO)  # its INFO lines into the file, off the screen
     logging.captureWarnings(True)
+    if not verbose:
+        try:  # transformers' own progress bars ("Writing model shards") are not log records
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        except ImportError:  # pragma: no cover
+            pass
     set_console_verbose(verbose)
     return path

@@ -16,10 +16,9 @@ import random
 import time
 from pathlib import Path
 
-from megatron_rl.analysis.run_data import PLANTED_FILE
 from megatron_rl.tracking import TrackingConfig, Tracker
 from megatron_rl.tracking.rollouts import RolloutDumpConfig, RolloutDumper
-from megatron_rl.data.wrong_labels import FILE_NAME, WrongLabelConfig, WrongLabelMonitor
+from megatron_rl.data.wrong_labels import FILE_NAME, PLANTED_FILE, WrongLabelConfig, WrongLabelMonitor
 
 STAGES = [("stage1_12", 12, 10), ("stage2_16", 16, 8), ("stage3_24", 24, 6)]
 

@@ -1,4 +1,4 @@
-"""The console shows our lines and libraries' warnings; libraries' INFO chatter goes to RUN_DIR/logs/."""
+"""The console shows our lines and libraries' errors; libraries' INFO and warnings go to RUN_DIR/logs/."""
 
 from __future__ import annotations
 
@@ -7,14 +7,16 @@ import logging
 
 import pytest
 
-from megatron_rl.tracking.logs import route_logs, set_console_verbose
+from megatron_rl.tracking.logs import hidden_warnings, route_logs, set_console_verbose
 
 
 @pytest.fixture
 def console():
     root = logging.getLogger()
     saved = (root.handlers[:], root.level, logging.getLogger("vllm").handlers[:],
-             logging.getLogger("vllm").propagate)
+             logging.getLogger("vllm").propagate, logging.getLogger("vllm").level)
+    tf = logging.getLogger("transformers")
+    saved_tf = (tf.handlers[:], tf.propagate)
     buf = io.StringIO()
     root.handlers = [logging.StreamHandler(buf)]
     # vLLM's own set-up: a console handler on "vllm" that does not propagate.
@@ -26,7 +28,8 @@ def console():
         if isinstance(h, logging.FileHandler):
             h.close()
     root.handlers, root.level = saved[0], saved[1]
-    vllm.handlers, vllm.propagate = saved[2], saved[3]
+    vllm.handlers, vllm.propagate, vllm.level = saved[2], saved[3], saved[4]
+    tf.handlers, tf.propagate = saved_tf
     logging.captureWarnings(False)
 
 
@@ -43,8 +46,10 @@ def test_library_chatter_goes_to_the_run_log(tmp_path, console):
         warnings.simplefilter("always")
         warnings.warn("a deprecation nobody reads")
     shown = console.getvalue()
-    assert "acc=0.41" in shown and "a real warning" in shown
-    assert "prefix cache" not in shown and "deprecation" not in shown
+    logging.getLogger("vllm.engine").error("an engine error")
+    assert "acc=0.41" in shown and "an engine error" in console.getvalue()
+    assert "prefix cache" not in shown and "deprecation" not in shown and "a real warning" not in shown
+    assert hidden_warnings() == 2  # the library warning and the Python warning
     text = path.read_text()
     for line in ("Successfully reset prefix cache", "acc=0.41", "a real warning", "deprecation nobody"):
         assert line in text
