@@ -155,6 +155,10 @@ def rule_map(data: RunData) -> go.Figure:
     if "agree_frac" in rule:
         fig.add_hline(y=rule["agree_frac"], line=STAGE_LINE,
                       annotation_text=f"agree_frac {rule['agree_frac']}", annotation_position="top right")
+    if "hard_max_pass_rate" in rule:
+        fig.add_vline(x=rule["hard_max_pass_rate"], line=STAGE_LINE,
+                      annotation_text=f"hard_max_pass_rate {rule['hard_max_pass_rate']}",
+                      annotation_position="top right")
     fig.update_xaxes(title_text="pass rate of the newest samples", range=[-0.03, 1.03])
     fig.update_yaxes(title_text="share of samples giving the top wrong answer", range=[-0.03, 1.03])
     return fig
@@ -235,8 +239,9 @@ FIGURES = [
     ("trajectories", "Per-prompt pass-rate trajectories",
      "Each line is one prompt, one point per time it was sampled.", trajectories),
     ("rule_map", "The wrong-label rule's view of every prompt",
-     "Live labels at the end of the run: a prompt with a low pass rate whose wrong samples mostly agree "
-     "on one answer is a suspected wrong label; one whose wrong answers scatter is hard.", rule_map),
+     "Live labels at the end of the run: a prompt that is rarely right while its wrong samples mostly agree "
+     "on one answer (upper left) is a suspected wrong label where the policy is competent on its data "
+     "source; one whose wrong answers scatter (lower left) is hard.", rule_map),
     ("lengths", "Response length per stage", "Share of each stage's samples by response length.", lengths),
     ("truncation", "Truncation", "Responses that hit the stage's max length without an end-of-sequence "
      "token.", truncation),

@@ -127,8 +127,13 @@ def wrong_label_section(data: RunData) -> str:
     intro = (f"<p class=what>Found live during training: after each step every prompt's newest "
              f"{rule.get('window') or 'all'} samples go through the difficulty rule (at least "
              f"{rule.get('min_samples')} samples; the same rule as <code>megatron-rl data difficulty</code>). "
-             f"Listed: at least {rule.get('agree_frac')} of the samples give one answer that is not the label, "
-             f"more often than the label is matched.</p>")
+             f"Listed: right at most {rule.get('hard_max_pass_rate')} of the time while at least "
+             f"{rule.get('agree_frac')} of the samples give one answer that is not the label, on a data "
+             f"source the policy solves at least {rule.get('min_source_pass_rate')} of the time.</p>")
+    sources = [{"uid": name, **v} for name, v in wl.get("sources", {}).items()]
+    intro += ("<h3>The policy per data source</h3>" + _table(
+        sources, [("uid", "data source"), ("pass_rate", "pass rate (newest samples)"), ("samples", "samples"),
+                  ("prompts", "prompts seen")]) if sources else "")
     hard_cols = [c for c in cols if c[0] != "flagged_since"]
     return (intro + "<h3>Suspected wrong labels</h3>"
             + _table(wl["suspects"], cols + ([("_mark", "planted?")] if marks is not None else []), marks)

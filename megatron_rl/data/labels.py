@@ -3,13 +3,16 @@
 Given one prompt's samples (right or wrong, and the answer each gave), :func:`label_prompt` says:
 
 * ``solved``: every sample right;
-* ``suspected_wrong_label``: the wrong samples mostly agree on one answer that is not the label (at
-  least ``agree_frac`` of all samples give it, and it is given more often than the label is
-  matched). The seed's signature of a wrong label: mostly "wrong" with the same confident answer,
-  rarely "right" by coincidence. Checked before ``unsolved`` so a 0/k prompt with a consensus is
-  flagged;
-* ``unsolved``: no sample right, answers scattered;
-* ``hard``: rarely right (pass rate <= ``hard_max_pass_rate``), wrong answers scattered;
+* ``suspected_wrong_label``: rarely right (pass rate <= ``hard_max_pass_rate``) while the wrong
+  samples mostly agree on one answer that is not the label (at least ``agree_frac`` of all samples
+  give it, and more often than the label is matched). The seed's signature of a wrong label:
+  mostly "wrong" with the same confident answer, rarely "right" by coincidence. Only where the
+  policy mostly solves prompts of this kind (``source_pass_rate``, its pass rate on the prompt's
+  data source, at least ``min_source_pass_rate``): a policy that fails at a kind of problem is
+  confidently wrong on it as often as a label is wrong, and the two look the same;
+* ``unsolved``: no sample right, answers scattered (or agreeing, where the policy is not competent);
+* ``hard``: rarely right, wrong answers scattered (the same pass rates as a wrong label: only the
+  agreement of the wrong answers tells the two apart);
 * ``mixed``: everything else (a useful training prompt).
 
 The same rule labels a dataset offline (``megatron-rl data difficulty``) and watches the prompts of a
@@ -50,11 +53,13 @@ def canonical_answer(answer) -> str | None:
 
 
 def label_prompt(correct: list[bool], answers: list, *, ground_truth=None,
-                 hard_max_pass_rate: float = 0.25, agree_frac: float = 0.5) -> DifficultyLabel:
+                 hard_max_pass_rate: float = 0.25, agree_frac: float = 0.5,
+                 source_pass_rate: float | None = None, min_source_pass_rate: float = 0.0) -> DifficultyLabel:
     """Label one prompt from its samples' correctness and extracted answers (see module doc).
 
     With ``ground_truth``, a wrong-scored sample whose answer *is* the label (right answer, wrong
-    format) casts no vote for another answer.
+    format) casts no vote for another answer. ``source_pass_rate`` (None: unknown, no check) is the
+    policy's pass rate on the prompt's kind of problem.
     """
     if len(correct) != len(answers) or not correct:
         raise ValueError("need one answer per sample and at least one sample")
@@ -67,7 +72,8 @@ def label_prompt(correct: list[bool], answers: list, *, ground_truth=None,
     frac = top_n / k
     if n == k:
         label = "solved"
-    elif frac >= agree_frac and top_n > n:
+    elif (frac >= agree_frac and top_n > n and n / k <= hard_max_pass_rate
+          and (source_pass_rate is None or source_pass_rate >= min_source_pass_rate)):
         label = "suspected_wrong_label"
     elif n == 0:
         label = "unsolved"

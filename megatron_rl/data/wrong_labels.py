@@ -4,9 +4,10 @@ Each GRPO step hands the monitor the step's groups (a prompt, its samples' corre
 answers they gave). The monitor keeps each prompt's newest ``window`` samples and labels the prompt
 with :func:`megatron_rl.data.labels.label_prompt`, the rule the offline labeller uses; a prompt
 labelled ``suspected_wrong_label`` (stuck wrong while most samples agree on one answer that is not
-the label) is on the list, a hard prompt (rarely right, answers scattered) is not. The list is
-rewritten after every step to ``RUN_DIR/rollouts/wrong_labels.json`` and counted in the metric
-``data/suspected_wrong_labels``; the state travels in checkpoints, so a resumed run keeps it.
+the label, where the policy mostly solves prompts of its data source) is on the list, a hard prompt
+(rarely right, answers scattered) is not. The list is
+rewritten to ``RUN_DIR/rollouts/wrong_labels.json`` every ``write_every`` steps and at each stage's
+end, and counted in the metric ``data/suspected_wrong_labels`` after every step; the state travels in checkpoints, so a resumed run keeps it.
 """
 
 from __future__ import annotations
@@ -35,15 +36,24 @@ class WrongLabelConfig(ConfigBase):
     enabled: bool = True
     # The rule sees each prompt's newest this many samples (0: every sample it ever had): the
     # policy changes, and its recent answers say most about the label.
-    window: int = 32
+    window: int = 64
     # A prompt is labelled once it has at least this many samples.
     min_samples: int = 16
     # The rule's thresholds (megatron_rl.data.labels.label_prompt): share of the samples that must
-    # give the same wrong answer, and the pass rate up to which a prompt is "hard".
+    # give the same wrong answer, the pass rate up to which a prompt is "rarely right" (hard, or a
+    # wrong label when its wrong answers agree) ...
     agree_frac: float = 0.5
-    hard_max_pass_rate: float = 0.25
+    hard_max_pass_rate: float = 0.1
+    # ... and the pass rate the policy must reach on a data source before a consensus against a
+    # label of that source counts: a policy that fails at a kind of problem is as confidently wrong
+    # on it as a wrong label is. Measured over the source's newest ``source_window`` samples.
+    min_source_pass_rate: float = 0.5
+    source_window: int = 4096
     # Prompts listed as "hard, kept off the list" in the report (most samples first).
     hard_examples: int = 50
+    # Rewrite RUN_DIR/rollouts/wrong_labels.json every this many steps and at the end of each stage
+    # (the list itself and the metric follow every step).
+    write_every: int = 10
     # Labelled prompts drawn in the report's map of the rule (pass rate vs agreement); past this
     # many, the listed and hard ones and then a fixed share of the rest (0: none).
     points_max: int = 5000
@@ -56,8 +66,11 @@ class WrongLabelConfig(ConfigBase):
             self.fail("window", f"must be 0 or >= min_samples ({self.min_samples}), got {self.window}")
         self.check_range("agree_frac", lo=0.0, hi=1.0, lo_open=True)
         self.check_range("hard_max_pass_rate", lo=0.0, hi=1.0)
+        self.check_range("min_source_pass_rate", lo=0.0, hi=1.0)
+        self.check_range("source_window", lo=1)
         self.check_range("hard_examples", lo=0)
         self.check_range("points_max", lo=0)
+        self.check_range("write_every", lo=1)
 
 
 @dataclass
@@ -67,6 +80,7 @@ class PromptHistory:
     uid: str
     ground_truth: str
     prompt: str
+    source: str = ""
     # Newest samples: (right?, canonical answer or None).
     recent: deque = field(default_factory=deque)
     samples: int = 0
@@ -80,7 +94,8 @@ class PromptHistory:
     agreement: float = 0.0
 
     def entry(self) -> dict:
-        return {"uid": self.uid, "ground_truth": self.ground_truth, "prompt": self.prompt,
+        return {"uid": self.uid, "data_source": self.source, "ground_truth": self.ground_truth,
+                "prompt": self.prompt,
                 "label": self.label, "majority_answer": self.majority_answer,
                 "agreement": round(self.agreement, 4), "samples": self.samples, "visits": self.visits,
                 "pass_rate": round(self.correct / max(1, self.samples), 4),
@@ -90,24 +105,48 @@ class PromptHistory:
                 "flagged_since": self.flagged_since}
 
 
+class SourcePassRate:
+    """The pass rate over a data source's newest ``n`` samples."""
+
+    def __init__(self, n: int, outcomes=()):
+        self.recent: deque = deque(maxlen=n)
+        self.right = 0
+        self.extend(outcomes)
+
+    def extend(self, outcomes) -> None:
+        for c in outcomes:
+            if len(self.recent) == self.recent.maxlen:
+                self.right -= self.recent[0]
+            self.recent.append(bool(c))
+            self.right += bool(c)
+
+    @property
+    def rate(self) -> float:
+        return self.right / len(self.recent) if self.recent else 0.0
+
+
 class WrongLabelMonitor:
     """``observe(step, groups)`` after every GRPO step; ``suspects()`` is the current list."""
 
     def __init__(self, cfg: WrongLabelConfig):
         self.cfg = cfg
         self.prompts: dict[str, PromptHistory] = {}
+        self.sources: dict[str, SourcePassRate] = {}
         self.label_counts: Counter = Counter()
 
     def observe(self, step: int, groups) -> dict:
-        """``groups``: ``(uid, ground_truth, prompt_text, correct: list[bool], answers: list)``.
+        """``groups``: ``(uid, ground_truth, prompt_text, data_source, correct: list[bool], answers)``.
 
-        A prompt that appears twice in one step is one prompt with both groups' samples.
+        A prompt that appears twice in one step is one prompt with both groups' samples. The data
+        sources' pass rates take in the whole step before any prompt is labelled.
         """
         cfg = self.cfg
-        for uid, gt, prompt, correct, answers in groups:
+        for _, _, _, source, correct, _ in groups:
+            self.sources.setdefault(source, SourcePassRate(cfg.source_window)).extend(correct)
+        for uid, gt, prompt, source, correct, answers in groups:
             h = self.prompts.get(uid)
             if h is None:
-                h = self.prompts[uid] = PromptHistory(uid, str(gt), str(prompt)[:300],
+                h = self.prompts[uid] = PromptHistory(uid, str(gt), str(prompt)[:300], source,
                                                       deque(maxlen=cfg.window or None), first_step=step)
             if h.last_step != step or h.visits == 0:
                 h.visits += 1
@@ -120,7 +159,9 @@ class WrongLabelMonitor:
                 continue
             lab = label_prompt([c for c, _ in h.recent], [a for _, a in h.recent],
                                ground_truth=h.ground_truth, agree_frac=cfg.agree_frac,
-                               hard_max_pass_rate=cfg.hard_max_pass_rate)
+                               hard_max_pass_rate=cfg.hard_max_pass_rate,
+                               source_pass_rate=self.sources[source].rate,
+                               min_source_pass_rate=cfg.min_source_pass_rate)
             if h.label:
                 self.label_counts[h.label] -= 1
             self.label_counts[lab.label] += 1
@@ -146,8 +187,12 @@ class WrongLabelMonitor:
 
     def report(self, step: int) -> dict:
         return {"step": step, "rule": {k: getattr(self.cfg, k) for k in
-                                       ("window", "min_samples", "agree_frac", "hard_max_pass_rate")},
+                                       ("window", "min_samples", "agree_frac", "hard_max_pass_rate",
+                                        "min_source_pass_rate", "source_window")},
                 "prompts_seen": len(self.prompts),
+                "sources": {name: {"pass_rate": round(sp.rate, 4), "samples": len(sp.recent),
+                                   "prompts": sum(h.source == name for h in self.prompts.values())}
+                            for name, sp in sorted(self.sources.items())},
                 "labels": {k: v for k, v in sorted(self.label_counts.items()) if v},
                 "suspects": self.suspects(), "hard_kept_off": self.hard_kept_off(),
                 "points": self.points()}
@@ -174,18 +219,21 @@ class WrongLabelMonitor:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        return {"prompts": [[h.uid, h.ground_truth, h.prompt, [[int(c), a] for c, a in h.recent],
+        return {"prompts": [[h.uid, h.ground_truth, h.prompt, h.source, [[int(c), a] for c, a in h.recent],
                              h.samples, h.correct, h.visits, h.first_step, h.last_step, h.label,
                              h.flagged_since, h.majority_answer, h.agreement]
-                            for h in self.prompts.values()]}
+                            for h in self.prompts.values()],
+                "sources": {name: [int(c) for c in sp.recent] for name, sp in self.sources.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.prompts.clear()
         self.label_counts.clear()
-        for (uid, gt, prompt, recent, samples, correct, visits, first, last, label, since, major,
+        self.sources = {name: SourcePassRate(self.cfg.source_window, outcomes)
+                        for name, outcomes in state.get("sources", {}).items()}
+        for (uid, gt, prompt, source, recent, samples, correct, visits, first, last, label, since, major,
              agree) in state.get("prompts", []):
-            h = PromptHistory(uid, gt, prompt, deque(((bool(c), a) for c, a in recent),
-                                                     maxlen=self.cfg.window or None),
+            h = PromptHistory(uid, gt, prompt, source, deque(((bool(c), a) for c, a in recent),
+                                                             maxlen=self.cfg.window or None),
                               samples, correct, visits, first, last, label, since, major, agree)
             self.prompts[uid] = h
             if label:

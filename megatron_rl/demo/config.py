@@ -69,8 +69,9 @@ class SyntheticConfig(ConfigBase):
     # analyze` scores the live suspected-wrong-label list (recall, precision).
     wrong_label_fraction: float = 0.0
     # This share of the training prompts become hard problems of a kind held out of the SFT data
-    # and the rest of the task (one operand with max_digits + 1 digits), labelled right: they must
-    # stay off the suspected-wrong-label list (listed in planted.json as "hard").
+    # and the rest of the task (one operand with max_digits + 1 digits; data source
+    # "synthetic/addition_<max_digits+1>digit"), labelled right: they must stay off the
+    # suspected-wrong-label list (listed in planted.json as "hard").
     hard_fraction: float = 0.0
 
     def validate(self) -> None:

@@ -67,11 +67,12 @@ def sample_problems(n: int, seed: int, split: str, min_digits: int = 2, max_digi
     return out
 
 
-def to_verl_row(p: Problem, index: int, split: str, ground_truth: str | None = None) -> dict:
+def to_verl_row(p: Problem, index: int, split: str, ground_truth: str | None = None,
+                data_source: str = DATA_SOURCE) -> dict:
     """A verl row; ``ground_truth`` overrides the true sum (a planted wrong label)."""
     gt = p.answer if ground_truth is None else ground_truth
     return {
-        "data_source": DATA_SOURCE,
+        "data_source": data_source,
         "prompt": [{"role": "user", "content": p.question}],
         "ability": "arithmetic",
         "reward_model": {"style": REWARD_STYLE, "ground_truth": gt},
@@ -81,14 +82,21 @@ def to_verl_row(p: Problem, index: int, split: str, ground_truth: str | None = N
 
 
 def write_dataset(path: str | Path, problems: list[Problem], split: str,
-                  labels: dict[int, str] | None = None) -> Path:
-    """Write problems as verl-format JSON lines; ``labels`` maps a row index to a planted label."""
+                  labels: dict[int, str] | None = None, sources: dict[int, str] | None = None) -> Path:
+    """Write problems as verl-format JSON lines; ``labels`` / ``sources`` map a row index to a
+    planted label / another data source."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for i, p in enumerate(problems):
-            f.write(json.dumps(to_verl_row(p, i, split, (labels or {}).get(i))) + "\n")
+            row = to_verl_row(p, i, split, (labels or {}).get(i), (sources or {}).get(i, DATA_SOURCE))
+            f.write(json.dumps(row) + "\n")
     return path
+
+
+def held_out_kind(max_digits: int) -> str:
+    """The data source of the planted hard problems (an operand one digit longer than the task's)."""
+    return f"{DATA_SOURCE}_{max_digits + 1}digit"
 
 
 def plant(problems: list[Problem], seed: int, wrong_label_fraction: float, hard_fraction: float,
@@ -96,8 +104,9 @@ def plant(problems: list[Problem], seed: int, wrong_label_fraction: float, hard_
     """Plant wrong labels and hard problems among ``problems`` (data cleaning's test set).
 
     Returns the problems (some replaced by hard ones: an operand with ``max_digits + 1`` digits, a
-    kind no other problem has), the wrong labels by row index (the sum plus a nonzero offset in
-    [-99, 99], kept positive), and the planted row indices by kind.
+    kind no other problem has, with their own data source :func:`held_out_kind`), the wrong labels
+    by row index (the sum plus a nonzero offset in [-99, 99], kept positive), and the planted row
+    indices by kind.
     """
     rng = random.Random(f"{seed}-plant")
     n = len(problems)

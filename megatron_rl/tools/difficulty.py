@@ -50,6 +50,10 @@ class DifficultyConfig(ConfigBase):
     hard_max_pass_rate: float = 0.25
     # Share of all k samples that must give the same wrong answer to suspect the label.
     agree_frac: float = 0.5
+    # Suspect a label only where the policy's pass rate on the prompt's data source (over the whole
+    # dataset) is at least this: a policy that fails at a kind of problem is confidently wrong on
+    # it as often as a label is wrong (0: no such check).
+    min_source_pass_rate: float = 0.0
     # Suspected wrong labels listed in the summary for review (most confident first).
     summary_examples: int = 50
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -68,6 +72,7 @@ class DifficultyConfig(ConfigBase):
         self.check_range("summary_examples", lo=0)
         self.check_range("hard_max_pass_rate", lo=0.0, hi=1.0)
         self.check_range("agree_frac", lo=0.0, hi=1.0, lo_open=True)
+        self.check_range("min_source_pass_rate", lo=0.0, hi=1.0)
 
 
 def annotate(engine, records: list[PromptRecord], reward_mgr, cfg: DifficultyConfig
@@ -78,21 +83,27 @@ def annotate(engine, records: list[PromptRecord], reward_mgr, cfg: DifficultyCon
 
     spec = SamplingSpec(n=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                         max_tokens=cfg.max_tokens, seed=cfg.seed)
-    labels: list[DifficultyLabel] = []
+    samples: list[tuple[list[bool], list]] = []  # per record: correct, extracted answers
     for start in range(0, len(records), cfg.batch_prompts):
         chunk = records[start: start + cfg.batch_prompts]
         groups = engine.generate([r.prompt_ids for r in chunk], spec)
         items = [reward_item(r, c.text) for r, group in zip(chunk, groups) for c in group]
         scores, _, details = reward_mgr.score(items, return_details=True)
-        for j, group in enumerate(groups):
+        for j in range(len(groups)):
             lo, hi = j * cfg.k, (j + 1) * cfg.k
-            labels.append(label_prompt([s >= cfg.correct_reward for s in scores[lo:hi]],
-                                       [d["extracted"] for d in details[lo:hi]],
-                                       ground_truth=chunk[j].ground_truth,
-                                       hard_max_pass_rate=cfg.hard_max_pass_rate,
-                                       agree_frac=cfg.agree_frac))
-        log.info("difficulty: %d/%d prompts labelled", len(labels), len(records))
-    return labels
+            samples.append(([s >= cfg.correct_reward for s in scores[lo:hi]],
+                            [d["extracted"] for d in details[lo:hi]]))
+        log.info("difficulty: %d/%d prompts sampled", len(samples), len(records))
+    # The policy's pass rate per data source, over the whole dataset: the rule's competence check.
+    right, total = Counter(), Counter()
+    for rec, (correct, _) in zip(records, samples):
+        right[rec.data_source] += sum(correct)
+        total[rec.data_source] += len(correct)
+    return [label_prompt(correct, answers, ground_truth=rec.ground_truth,
+                         hard_max_pass_rate=cfg.hard_max_pass_rate, agree_frac=cfg.agree_frac,
+                         source_pass_rate=right[rec.data_source] / total[rec.data_source],
+                         min_source_pass_rate=cfg.min_source_pass_rate)
+            for rec, (correct, answers) in zip(records, samples)]
 
 
 def summarize(records: list[PromptRecord], labels: list[DifficultyLabel], cfg: DifficultyConfig,

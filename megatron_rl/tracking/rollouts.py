@@ -36,6 +36,7 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "group": (pa.int32(), "index of the prompt within the step"),
     "sample": (pa.int32(), "index of the sample within its group"),
     "prompt_uid": (pa.string(), "the prompt's id (extra_info.uid, or file:row)"),
+    "data_source": (pa.string(), "the prompt's data source (its kind of problem)"),
     "prompt": (pa.string(), "prompt text (chat template applied)"),
     "ground_truth": (pa.string(), "the label"),
     "response": (pa.string(), "response text"),

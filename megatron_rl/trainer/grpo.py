@@ -59,6 +59,8 @@ def train_stage(ctx: Context, stage: StageConfig) -> None:
     try:
         with StageProgress(stage.name, stage.max_steps, state.step, enabled=ctx.is_driver and cfg.tracking.console) as bar:
             run_steps(ctx, stage, state, loader, rollouts, bar)
+        if ctx.is_driver and ctx.observer is not None:
+            ctx.observer.flush()
         if ctx.stop_agreed() and state.step < stage.max_steps:
             if not RunDir.is_complete(ctx.run.step_dir(stage.name, state.step)):  # not just saved periodically
                 save_checkpoint(ctx, stage, state, loader, rollouts)
@@ -100,7 +102,7 @@ def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: Pro
                 metrics.update(sync_weights(ctx, state.weight_version))
         else:
             log.warning("step %d: every group had zero reward variance; no update", state.step)
-        if ctx.is_driver and ctx.observer is not None:
+        if ctx.is_driver and ctx.observer is not None and ro is not None:
             with timer("dump"):
                 metrics.update(ctx.observer.observe(
                     ro, per_sample, correct_reward=cfg.algo.correct_reward, grpo_step=state.grpo_step + 1,

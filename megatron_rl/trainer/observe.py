@@ -33,11 +33,12 @@ def dump_columns(ro: Rollout, per_sample: dict[str, torch.Tensor] | None, *, cor
     gids = ro.group_ids.tolist()
     in_batch = [False] * n
     stats = {k: [None] * n for k in SAMPLE_STATS}
+    values = {k: v.tolist() for k, v in per_sample.items()} if per_sample is not None else None
     for pos, i in enumerate(ro.batch_index or []):
         in_batch[i] = True
-        if per_sample is not None:
+        if values is not None:
             for k in SAMPLE_STATS:
-                stats[k][i] = _num(per_sample[k][pos])
+                stats[k][i] = _num(values[k][pos])
     sample = []
     for i, g in enumerate(gids):
         sample.append(0 if i == 0 or gids[i - 1] != g else sample[-1] + 1)
@@ -48,6 +49,7 @@ def dump_columns(ro: Rollout, per_sample: dict[str, torch.Tensor] | None, *, cor
     }
     recs = [ro.records[g] for g in gids]
     cols["prompt_uid"] = [r.uid for r in recs]
+    cols["data_source"] = [r.data_source for r in recs]
     cols["prompt"] = [r.prompt_text for r in recs]
     cols["ground_truth"] = [str(r.ground_truth) for r in recs]
     cols["prompt_ids"] = [list(r.prompt_ids) for r in recs]
@@ -67,12 +69,11 @@ def dump_columns(ro: Rollout, per_sample: dict[str, torch.Tensor] | None, *, cor
     cols["advantage"] = ro.advantages.tolist() if ro.advantages is not None else [None] * n
     cols["in_batch"] = in_batch
     lp_mean, lp_min, p_mean = [], [], []
-    for c in comps:
-        lp = torch.tensor(c.logprobs, dtype=torch.float64)
-        ok = len(lp) > 0
-        lp_mean.append(lp.mean().item() if ok else None)
-        lp_min.append(lp.min().item() if ok else None)
-        p_mean.append(lp.exp().mean().item() if ok else None)
+    for c in comps:  # plain floats: a few dozen tokens each, cheaper than a tensor per response
+        lp = c.logprobs
+        lp_mean.append(math.fsum(lp) / len(lp) if lp else None)
+        lp_min.append(min(lp) if lp else None)
+        p_mean.append(math.fsum(math.exp(x) for x in lp) / len(lp) if lp else None)
     cols["rollout_logp_mean"], cols["rollout_logp_min"], cols["token_prob_mean"] = lp_mean, lp_min, p_mean
     cols.update(stats)
     return cols
@@ -83,9 +84,10 @@ def monitor_groups(cols: dict[str, list]):
     groups: dict[int, tuple] = {}
     for i, g in enumerate(cols["group"]):
         if g not in groups:
-            groups[g] = (cols["prompt_uid"][i], cols["ground_truth"][i], cols["prompt"][i], [], [])
-        groups[g][3].append(cols["correct"][i])
-        groups[g][4].append(cols["answer"][i])
+            groups[g] = (cols["prompt_uid"][i], cols["ground_truth"][i], cols["prompt"][i],
+                         cols["data_source"][i], [], [])
+        groups[g][4].append(cols["correct"][i])
+        groups[g][5].append(cols["answer"][i])
     return list(groups.values())
 
 
@@ -97,6 +99,7 @@ class StepObserver:
         self.root = Path(run_root)
         self.dumper, self.monitor, self.tracker = dumper, monitor, tracker
         self.table_samples = table_samples
+        self._step: int | None = None
 
     def observe(self, ro: Rollout, per_sample, *, correct_reward: float, grpo_step: int, global_step: int,
                 stage: str, stage_step: int, max_response_len: int) -> dict:
@@ -113,5 +116,12 @@ class StepObserver:
                                        step=global_step)
         if self.monitor is not None:
             metrics.update(self.monitor.observe(grpo_step, monitor_groups(cols)))
-            self.monitor.write(self.root / DIR_NAME / WRONG_LABELS_FILE, grpo_step)
+            self._step = grpo_step
+            if grpo_step % self.monitor.cfg.write_every == 0:
+                self.flush()
         return metrics
+
+    def flush(self) -> None:
+        """Write the wrong-label list as it stands (every ``write_every`` steps and at stage ends)."""
+        if self.monitor is not None and self._step is not None:
+            self.monitor.write(self.root / DIR_NAME / WRONG_LABELS_FILE, self._step)

@@ -20,7 +20,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 MINI = [
-    "synthetic.min_digits=1", "synthetic.max_digits=1", "synthetic.train_size=60", "synthetic.sft_size=0", "sft.data_path=", "synthetic.eval_size=5",
+    "synthetic.min_digits=1", "synthetic.max_digits=1", "synthetic.train_size=60", "synthetic.eval_size=5",
     "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=2",
     "model.tiny.intermediate_size=128", "model.tiny.num_layers=2",
     "sft.max_steps=30", "sft.eval_every=30", "sft.eval_size=8", "sft.stop_accuracy=1.0", "sft.batch_size=32",

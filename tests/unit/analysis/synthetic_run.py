@@ -48,7 +48,8 @@ def make_run(root: Path, *, prompts: int = 200, batch: int = 40, group: int = 8,
     for s in range(1, sft_steps + 1):
         tracker.log({"sft/nll": 1.0 / s}, step=s, stage="sft")
     dumper = RolloutDumper(dump_cfg or RolloutDumpConfig(), root)
-    monitor = WrongLabelMonitor(monitor_cfg or WrongLabelConfig(window=32, min_samples=16))
+    monitor = WrongLabelMonitor(monitor_cfg or WrongLabelConfig(window=32, min_samples=16, hard_max_pass_rate=0.25,
+                                                                min_source_pass_rate=0.3))
     order = []
     grpo = 0
     global_step = sft_steps
@@ -63,7 +64,7 @@ def make_run(root: Path, *, prompts: int = 200, batch: int = 40, group: int = 8,
             step_uids, order = order[:batch], order[batch:]
             cols: dict[str, list] = {k: [] for k in (
                 "grpo_step", "global_step", "stage", "stage_step", "max_response_len", "group", "sample",
-                "prompt_uid", "prompt", "ground_truth", "response", "prompt_ids", "response_ids", "reward",
+                "prompt_uid", "data_source", "prompt", "ground_truth", "response", "prompt_ids", "response_ids", "reward",
                 "outcome", "answer", "correct", "response_len", "truncated", "finish_reason",
                 "weight_version", "advantage", "in_batch", "rollout_logp_mean", "rollout_logp_min",
                 "token_prob_mean", "entropy_mean", "entropy_max", "train_logp_mean", "logp_gap_mean",
@@ -87,7 +88,8 @@ def make_run(root: Path, *, prompts: int = 200, batch: int = 40, group: int = 8,
                 mean = sum(rewards) / group
                 std = (sum((r - mean) ** 2 for r in rewards) / group) ** 0.5
                 in_batch = std > 0
-                groups.append((u, label[u], f"{a}+{b}=", correct, answers))
+                source = "sim/hard" if kind[u] == "hard" else "sim/addition"
+                groups.append((u, label[u], f"{a}+{b}=", source, correct, answers))
                 for i, (ans, c) in enumerate(zip(answers, correct)):
                     adv = (rewards[i] - mean) / (std + 1e-6) if in_batch else 0.0
                     resp = f"\\boxed{{{ans}}}"
@@ -96,7 +98,8 @@ def make_run(root: Path, *, prompts: int = 200, batch: int = 40, group: int = 8,
                     ent = rng.uniform(0.05, 0.3) if c else rng.uniform(0.3, 0.9)
                     lp = -rng.uniform(0.01, 0.2) if c else -rng.uniform(0.3, 1.2)
                     row = dict(grpo_step=grpo, global_step=global_step, stage=stage, stage_step=stage_step,
-                               max_response_len=max_len, group=g, sample=i, prompt_uid=u, prompt=f"{a}+{b}=",
+                               max_response_len=max_len, group=g, sample=i, prompt_uid=u, data_source=source,
+                               prompt=f"{a}+{b}=",
                                ground_truth=label[u], response=resp, prompt_ids=[ord(ch) for ch in f"{a}+{b}="],
                                response_ids=[ord(ch) for ch in resp][:max_len], reward=rewards[i],
                                outcome="correct" if c else "wrong", answer=ans, correct=c,

@@ -17,6 +17,7 @@ def columns(step: int, prompts: int = 20, group: int = 4) -> dict[str, list]:
         cols["grpo_step"][i], cols["global_step"][i], cols["stage"][i] = step, 100 + step, "stage1"
         cols["stage_step"][i], cols["max_response_len"][i], cols["group"][i], cols["sample"][i] = step, 12, g, s
         cols["prompt_uid"][i], cols["prompt"][i], cols["ground_truth"][i] = f"p{g}", f"{g}+1=", str(g + 1)
+        cols["data_source"][i] = "toy"
         cols["response"][i], cols["prompt_ids"][i], cols["response_ids"][i] = f"r{s}", [1, 2, g], [3] * s
         cols["reward"][i], cols["outcome"][i], cols["answer"][i] = float(s % 2), "wrong", None if s == 3 else str(s)
         cols["correct"][i], cols["response_len"][i], cols["truncated"][i] = s % 2 == 1, s, s == 0

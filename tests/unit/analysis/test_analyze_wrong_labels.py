@@ -20,12 +20,26 @@ def test_analyze_rule_ignores_the_label_as_a_wrong_answer():
     assert label_prompt([False] * 8, answers, ground_truth="6").label == "suspected_wrong_label"
 
 
-def group(uid, correct, answers, gt="10"):
-    return (uid, gt, f"prompt {uid}", correct, answers)
+def test_analyze_rule_needs_rarely_right_and_a_competent_policy():
+    # 3/8 right with 4 agreeing wrong answers: the label is matched too often to be suspected.
+    assert label_prompt([True] * 3 + [False] * 5, ["10"] * 3 + ["3"] * 4 + ["1"], hard_max_pass_rate=0.25,
+                        ground_truth="10").label == "mixed"
+    assert label_prompt([True] + [False] * 7, ["10"] + ["3"] * 7, ground_truth="10",
+                        hard_max_pass_rate=0.125).label == "suspected_wrong_label"
+    # The same samples where the policy solves 20% of the source's prompts: no verdict on the label.
+    kw = dict(ground_truth="10", hard_max_pass_rate=0.125, min_source_pass_rate=0.5)
+    assert label_prompt([True] + [False] * 7, ["10"] + ["3"] * 7, source_pass_rate=0.2, **kw).label == "hard"
+    assert label_prompt([False] * 8, ["3"] * 8, source_pass_rate=0.2, **kw).label == "unsolved"
+    assert label_prompt([False] * 8, ["3"] * 8, source_pass_rate=0.5, **kw).label == "suspected_wrong_label"
+
+
+def group(uid, correct, answers, gt="10", source="s"):
+    return (uid, gt, f"prompt {uid}", source, correct, answers)
 
 
 def test_analyze_monitor_window_min_samples_and_flag_age():
-    m = WrongLabelMonitor(WrongLabelConfig(window=8, min_samples=8, agree_frac=0.5))
+    m = WrongLabelMonitor(WrongLabelConfig(window=8, min_samples=8, agree_frac=0.5, hard_max_pass_rate=0.25,
+                                           min_source_pass_rate=0.0))
     # Step 1: 4 samples, not yet labelled.
     assert m.observe(1, [group("a", [True] * 4, ["10"] * 4)])["data/prompts_labelled"] == 0
     # Step 2: 4 right + 4 agreeing wrong: 4 vs 4 is "mixed" (the label must be outvoted).
@@ -49,12 +63,24 @@ def test_analyze_monitor_window_min_samples_and_flag_age():
     assert m.label_counts["suspected_wrong_label"] == 1 and m.label_counts["unsolved"] == 1
 
 
+def test_analyze_monitor_waits_for_the_policy_on_each_source():
+    m = WrongLabelMonitor(WrongLabelConfig(window=8, min_samples=8, min_source_pass_rate=0.5, source_window=16))
+    solved = [group(f"easy{i}", [True] * 8, ["10"] * 8, source="easy") for i in range(3)]
+    m.observe(1, solved + [group("a", [False] * 8, ["7"] * 8, source="easy"),
+                           group("b", [False] * 8, ["7"] * 8, source="hard")])
+    # "easy": 24 right then 8 wrong; its newest 16 samples are half right. "hard": never right.
+    assert m.sources["easy"].rate == 0.5 and m.sources["hard"].rate == 0.0 and len(m.sources["easy"].recent) == 16
+    assert [e["uid"] for e in m.suspects()] == ["a"] and m.prompts["b"].label == "unsolved"
+    rep = m.report(1)
+    assert rep["sources"]["hard"] == {"pass_rate": 0.0, "samples": 8, "prompts": 1}
+
+
 def test_analyze_monitor_state_round_trip():
-    m = WrongLabelMonitor(WrongLabelConfig(window=8, min_samples=4))
+    m = WrongLabelMonitor(WrongLabelConfig(window=8, min_samples=4, min_source_pass_rate=0.0))
     m.observe(1, [group("a", [False] * 4, ["3"] * 4), group("b", [True, False, False, False], ["10", "1", "2", "3"])])
     m.observe(2, [group("a", [False] * 6, ["3"] * 6)])
     state = json.loads(json.dumps(m.state_dict()))
-    m2 = WrongLabelMonitor(WrongLabelConfig(window=8, min_samples=4))
+    m2 = WrongLabelMonitor(WrongLabelConfig(window=8, min_samples=4, min_source_pass_rate=0.0))
     m2.load_state_dict(state)
     assert m2.report(2) == m.report(2)
     m.observe(3, [group("a", [True] * 4, ["10"] * 4)])
@@ -82,8 +108,11 @@ def test_analyze_live_list_equals_the_rule_on_the_dumped_samples(run):
     expect = set()
     for uid, g in df.groupby("prompt_uid"):
         g = g.tail(32)
+        src = df[(df["data_source"] == g["data_source"].iloc[0]) & (df["grpo_step"] <= g["grpo_step"].max())]
         if len(g) >= 16 and label_prompt(g["correct"].tolist(), g["answer"].tolist(),
-                                         ground_truth=g["ground_truth"].iloc[0]).label == "suspected_wrong_label":
+                                         ground_truth=g["ground_truth"].iloc[0], hard_max_pass_rate=0.25,
+                                         source_pass_rate=src["correct"].tail(4096).mean(),
+                                         min_source_pass_rate=0.3).label == "suspected_wrong_label":
             expect.add(uid)
     live = json.loads((root / "rollouts" / FILE_NAME).read_text())
     assert {e["uid"] for e in live["suspects"]} == expect
