@@ -155,7 +155,7 @@ def rule_map(data: RunData) -> go.Figure:
     if "agree_frac" in rule:
         fig.add_hline(y=rule["agree_frac"], line=STAGE_LINE,
                       annotation_text=f"agree_frac {rule['agree_frac']}", annotation_position="top right")
-    if "hard_max_pass_rate" in rule:
+    if rule.get("hard_max_pass_rate"):
         fig.add_vline(x=rule["hard_max_pass_rate"], line=STAGE_LINE,
                       annotation_text=f"hard_max_pass_rate {rule['hard_max_pass_rate']}",
                       annotation_position="top right")

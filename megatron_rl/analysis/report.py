@@ -127,7 +127,8 @@ def wrong_label_section(data: RunData) -> str:
     intro = (f"<p class=what>Found live during training: after each step every prompt's newest "
              f"{rule.get('window') or 'all'} samples go through the difficulty rule (at least "
              f"{rule.get('min_samples')} samples; the same rule as <code>megatron-rl data difficulty</code>). "
-             f"Listed: right at most {rule.get('hard_max_pass_rate')} of the time while at least "
+             f"Listed: right at most {rule.get('suspect_max_pass_rate', rule.get('hard_max_pass_rate'))} of the "
+             f"time (0: never, stuck at 0) while at least "
              f"{rule.get('agree_frac')} of the samples give one answer that is not the label, on a data "
              f"source the policy solves at least {rule.get('min_source_pass_rate')} of the time.</p>")
     sources = [{"uid": name, **v} for name, v in wl.get("sources", {}).items()]

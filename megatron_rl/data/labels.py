@@ -3,7 +3,8 @@
 Given one prompt's samples (right or wrong, and the answer each gave), :func:`label_prompt` says:
 
 * ``solved``: every sample right;
-* ``suspected_wrong_label``: rarely right (pass rate <= ``hard_max_pass_rate``) while the wrong
+* ``suspected_wrong_label``: rarely right (pass rate <= ``suspect_max_pass_rate``, by default
+  ``hard_max_pass_rate``; 0: "stuck at 0") while the wrong
   samples mostly agree on one answer that is not the label (at least ``agree_frac`` of all samples
   give it, and more often than the label is matched). The seed's signature of a wrong label:
   mostly "wrong" with the same confident answer, rarely "right" by coincidence. Only where the
@@ -54,7 +55,8 @@ def canonical_answer(answer) -> str | None:
 
 def label_prompt(correct: list[bool], answers: list, *, ground_truth=None,
                  hard_max_pass_rate: float = 0.25, agree_frac: float = 0.5,
-                 source_pass_rate: float | None = None, min_source_pass_rate: float = 0.0) -> DifficultyLabel:
+                 source_pass_rate: float | None = None, min_source_pass_rate: float = 0.0,
+                 suspect_max_pass_rate: float | None = None) -> DifficultyLabel:
     """Label one prompt from its samples' correctness and extracted answers (see module doc).
 
     With ``ground_truth``, a wrong-scored sample whose answer *is* the label (right answer, wrong
@@ -70,9 +72,10 @@ def label_prompt(correct: list[bool], answers: list, *, ground_truth=None,
                     for a in [canonical_answer(raw)] if a is not None and a != label_key)
     top, top_n = (wrong.most_common(1)[0] if wrong else (None, 0))
     frac = top_n / k
+    suspect_max = hard_max_pass_rate if suspect_max_pass_rate is None else suspect_max_pass_rate
     if n == k:
         label = "solved"
-    elif (frac >= agree_frac and top_n > n and n / k <= hard_max_pass_rate
+    elif (frac >= agree_frac and top_n > n and n / k <= suspect_max
           and (source_pass_rate is None or source_pass_rate >= min_source_pass_rate)):
         label = "suspected_wrong_label"
     elif n == 0:

@@ -40,10 +40,11 @@ class WrongLabelConfig(ConfigBase):
     # A prompt is labelled once it has at least this many samples.
     min_samples: int = 16
     # The rule's thresholds (megatron_rl.data.labels.label_prompt): share of the samples that must
-    # give the same wrong answer, the pass rate up to which a prompt is "rarely right" (hard, or a
-    # wrong label when its wrong answers agree) ...
+    # give the same wrong answer, the pass rate up to which a prompt is "hard", the pass rate up to
+    # which it can be a wrong label (0: stuck at 0, no sample of the window right) ...
     agree_frac: float = 0.5
-    hard_max_pass_rate: float = 0.1
+    hard_max_pass_rate: float = 0.25
+    suspect_max_pass_rate: float = 0.0
     # ... and the pass rate the policy must reach on a data source before a consensus against a
     # label of that source counts: a policy that fails at a kind of problem is as confidently wrong
     # on it as a wrong label is. Measured over the source's newest ``source_window`` samples.
@@ -67,6 +68,7 @@ class WrongLabelConfig(ConfigBase):
         self.check_range("agree_frac", lo=0.0, hi=1.0, lo_open=True)
         self.check_range("hard_max_pass_rate", lo=0.0, hi=1.0)
         self.check_range("min_source_pass_rate", lo=0.0, hi=1.0)
+        self.check_range("suspect_max_pass_rate", lo=0.0, hi=1.0)
         self.check_range("source_window", lo=1)
         self.check_range("hard_examples", lo=0)
         self.check_range("points_max", lo=0)
@@ -161,7 +163,8 @@ class WrongLabelMonitor:
                                ground_truth=h.ground_truth, agree_frac=cfg.agree_frac,
                                hard_max_pass_rate=cfg.hard_max_pass_rate,
                                source_pass_rate=self.sources[source].rate,
-                               min_source_pass_rate=cfg.min_source_pass_rate)
+                               min_source_pass_rate=cfg.min_source_pass_rate,
+                               suspect_max_pass_rate=cfg.suspect_max_pass_rate)
             if h.label:
                 self.label_counts[h.label] -= 1
             self.label_counts[lab.label] += 1
@@ -188,7 +191,7 @@ class WrongLabelMonitor:
     def report(self, step: int) -> dict:
         return {"step": step, "rule": {k: getattr(self.cfg, k) for k in
                                        ("window", "min_samples", "agree_frac", "hard_max_pass_rate",
-                                        "min_source_pass_rate", "source_window")},
+                                        "suspect_max_pass_rate", "min_source_pass_rate", "source_window")},
                 "prompts_seen": len(self.prompts),
                 "sources": {name: {"pass_rate": round(sp.rate, 4), "samples": len(sp.recent),
                                    "prompts": sum(h.source == name for h in self.prompts.values())}

@@ -48,8 +48,7 @@ def make_run(root: Path, *, prompts: int = 200, batch: int = 40, group: int = 8,
     for s in range(1, sft_steps + 1):
         tracker.log({"sft/nll": 1.0 / s}, step=s, stage="sft")
     dumper = RolloutDumper(dump_cfg or RolloutDumpConfig(), root)
-    monitor = WrongLabelMonitor(monitor_cfg or WrongLabelConfig(window=32, min_samples=16, hard_max_pass_rate=0.25,
-                                                                min_source_pass_rate=0.3))
+    monitor = WrongLabelMonitor(monitor_cfg or WrongLabelConfig(window=32, min_samples=16, min_source_pass_rate=0.3))
     order = []
     grpo = 0
     global_step = sft_steps

@@ -31,6 +31,9 @@ def test_analyze_rule_needs_rarely_right_and_a_competent_policy():
     assert label_prompt([True] + [False] * 7, ["10"] + ["3"] * 7, source_pass_rate=0.2, **kw).label == "hard"
     assert label_prompt([False] * 8, ["3"] * 8, source_pass_rate=0.2, **kw).label == "unsolved"
     assert label_prompt([False] * 8, ["3"] * 8, source_pass_rate=0.5, **kw).label == "suspected_wrong_label"
+    # "Stuck at 0": one right sample in the window keeps it off the list (then it is hard).
+    assert label_prompt([True] + [False] * 7, ["10"] + ["3"] * 7, ground_truth="10",
+                        suspect_max_pass_rate=0.0).label == "hard"
 
 
 def group(uid, correct, answers, gt="10", source="s"):
@@ -38,7 +41,7 @@ def group(uid, correct, answers, gt="10", source="s"):
 
 
 def test_analyze_monitor_window_min_samples_and_flag_age():
-    m = WrongLabelMonitor(WrongLabelConfig(window=8, min_samples=8, agree_frac=0.5, hard_max_pass_rate=0.25,
+    m = WrongLabelMonitor(WrongLabelConfig(window=8, min_samples=8, agree_frac=0.5, suspect_max_pass_rate=0.25,
                                            min_source_pass_rate=0.0))
     # Step 1: 4 samples, not yet labelled.
     assert m.observe(1, [group("a", [True] * 4, ["10"] * 4)])["data/prompts_labelled"] == 0
@@ -110,7 +113,7 @@ def test_analyze_live_list_equals_the_rule_on_the_dumped_samples(run):
         g = g.tail(32)
         src = df[(df["data_source"] == g["data_source"].iloc[0]) & (df["grpo_step"] <= g["grpo_step"].max())]
         if len(g) >= 16 and label_prompt(g["correct"].tolist(), g["answer"].tolist(),
-                                         ground_truth=g["ground_truth"].iloc[0], hard_max_pass_rate=0.25,
+                                         ground_truth=g["ground_truth"].iloc[0], suspect_max_pass_rate=0.0,
                                          source_pass_rate=src["correct"].tail(4096).mean(),
                                          min_source_pass_rate=0.3).label == "suspected_wrong_label":
             expect.add(uid)
