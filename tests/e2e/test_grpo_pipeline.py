@@ -127,6 +127,7 @@ def test_analyze_dumps_of_a_real_run_agree_with_its_metrics(finished_run):
         assert d["truncated"].mean() == pytest.approx(r["rollout/truncation_ratio"])
         assert d["response_len"].mean() == pytest.approx(r["rollout/response_length_mean"])
         assert d["in_batch"].sum() == r["batch/sequences"]
+        assert d["outcome"].notna().all() and d.loc[d["correct"], "answer"].notna().all()  # the verifier's verdicts
         b = d[d["in_batch"]]
         if len(b):
             # The loss's entropy is the token mean over the batch: the per-sample means, weighted.
