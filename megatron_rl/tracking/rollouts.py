@@ -116,7 +116,7 @@ class RolloutDumper:
         cap = self.cfg.max_gb * 2**30
         if cap and self.bytes >= cap:
             if not self.capped:
-                log.warning("rollout dumps reached rollout_dump.max_gb=%s in %s: no more dumps",
+                log.warning("rollout dumps reached tracking.rollouts.max_gb=%s in %s: no more dumps",
                             self.cfg.max_gb, self.dir)
             self.capped = True
             return {"dump/capped": 1.0, "dump/rows": 0.0}
