@@ -131,6 +131,9 @@ def grpo_run(work: Path, sft: Path, mode: str, seed: int, steps: int, algo: list
              for k in ("gen", "reward", "logprob", "update", "sync", "other", "step")}
     return {"mode": mode, "seed": seed, "steps": len(rows), "wall_s": sum(r["timing/step"] for r in rows),
             "accuracy": ev[STAGE]["eval/accuracy"],
+            # the training reward (sampled, T=1) over the last 20 steps: a second, less noisy view
+            "reward_last": statistics.mean([r["reward/mean"] for r in rows[-20:]] or [0.0]),
+            "entropy_last": statistics.mean([r.get("actor/entropy", 0.0) for r in rows[-20:]] or [0.0]),
             "split": split, "trainer_wait_s": statistics.mean([r.get("async/trainer_wait_s", 0.0) for r in rows] or [0.0]),
             "engine_idle_s": statistics.mean([r.get("async/engine_idle_s", 0.0) for r in rows] or [0.0]),
             "load": (run_dir / "bench_load.txt").read_text().split()[0]}
@@ -157,14 +160,15 @@ def main() -> None:
             runs.append(grpo_run(args.work, sft, mode, seed, args.steps, args.algo))
     print(f"load average after: {loadavg()}")
     print("\n| run | steps | GRPO wall s | s/step | gen | reward | logprob | update | sync | other | "
-          "trainer wait | held-out acc | load (1 min, at end) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "trainer wait | held-out acc | reward, last 20 | entropy, last 20 | load (1 min, at end) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         s = r["split"]
         print(f"| {r['mode']} seed {r['seed']} | {r['steps']} | {r['wall_s']:.0f} | {s['step']:.2f} | {s['gen']:.2f} | "
               f"{s['reward']:.2f} | {s['logprob']:.2f} | {s['update']:.2f} | {s['sync']:.2f} | {s['other']:.2f} | "
-              f"{r['trainer_wait_s']:.2f} | {r['accuracy']:.3f} | {r['load']} |")
-    med = {m: {k: statistics.median(r[k] for r in runs if r["mode"] == m) for k in ("wall_s", "accuracy")}
+              f"{r['trainer_wait_s']:.2f} | {r['accuracy']:.3f} | {r['reward_last']:.3f} | {r['entropy_last']:.3f} | "
+              f"{r['load']} |")
+    med = {m: {k: statistics.median(r[k] for r in runs if r["mode"] == m) for k in ("wall_s", "accuracy", "reward_last")}
            for m in ("sync", "async")}
     # The floor of one-step-off from the synchronous split: the slower side, plus the sync itself.
     floors = []
@@ -177,7 +181,8 @@ def main() -> None:
     out = {"wall_ratio": med["async"]["wall_s"] / med["sync"]["wall_s"],
            "wall_ratio_vs_sync_without_logprob_est": med["async"]["wall_s"] / bare,
            "accuracy_sync": med["sync"]["accuracy"], "accuracy_async": med["async"]["accuracy"],
-           "accuracy_sft": sft_acc,
+           "accuracy_sft": sft_acc, "reward_last20_sync": med["sync"]["reward_last"],
+           "reward_last20_async": med["async"]["reward_last"],
            "floor_ratio": statistics.median(floors), "wall_sync_s": med["sync"]["wall_s"],
            "wall_async_s": med["async"]["wall_s"], "steps": args.steps, "seeds": args.seeds, "load": loadavg()}
     print(f"\nasync / sync wall time: {out['wall_ratio']:.3f} (one-step-off floor from the sync split: "
