@@ -105,13 +105,15 @@ def sft_checkpoint(work: Path) -> Path:
         print(f"SFT cold start into {sft} ...", flush=True)
         t0 = time.perf_counter()
         sft.parent.mkdir(parents=True, exist_ok=True)
-        train(sft, ["stages.0.max_steps=0", "rollout.engine=vllm_remote"], pin=False)
+        # one GRPO step (a stage runs at least one; it is not used); the run's "start" evaluation
+        # is the SFT weights' held-out accuracy
+        train(sft, ["stages.0.max_steps=1", "rollout.engine=vllm_remote"], pin=False)
         print(f"  done in {time.perf_counter() - t0:.0f} s", flush=True)
     return sft
 
 
 def grpo_run(work: Path, sft: Path, mode: str, seed: int, steps: int, algo: list[str]) -> dict:
-    run_dir = work / (f"{mode}_seed{seed}" if steps else "sft_eval")
+    run_dir = work / f"{mode}_seed{seed}"
     if not (run_dir / STAGE / "final" / "trainer_state.json").exists():
         overrides = [
             "sft.enabled=false", f"trainer.init_from={sft / 'sft' / 'final'}", f"trainer.seed={seed}",
@@ -127,15 +129,15 @@ def grpo_run(work: Path, sft: Path, mode: str, seed: int, steps: int, algo: list
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if r["stage"] == STAGE]
     ev = json.loads((run_dir / "run_state.json").read_text())["eval"]
-    split = {k: statistics.mean(r.get(f"timing/{k}", 0.0) for r in rows) if rows else 0.0
+    split = {k: statistics.mean(r.get(f"timing/{k}", 0.0) for r in rows)
              for k in ("gen", "reward", "logprob", "update", "sync", "other", "step")}
     return {"mode": mode, "seed": seed, "steps": len(rows), "wall_s": sum(r["timing/step"] for r in rows),
             "accuracy": ev[STAGE]["eval/accuracy"],
             # the training reward (sampled, T=1) over the last 20 steps: a second, less noisy view
-            "reward_last": statistics.mean([r["reward/mean"] for r in rows[-20:]] or [0.0]),
-            "entropy_last": statistics.mean([r.get("actor/entropy", 0.0) for r in rows[-20:]] or [0.0]),
-            "split": split, "trainer_wait_s": statistics.mean([r.get("async/trainer_wait_s", 0.0) for r in rows] or [0.0]),
-            "engine_idle_s": statistics.mean([r.get("async/engine_idle_s", 0.0) for r in rows] or [0.0]),
+            "reward_last": statistics.mean(r["reward/mean"] for r in rows[-20:]),
+            "entropy_last": statistics.mean(r.get("actor/entropy", 0.0) for r in rows[-20:]),
+            "split": split, "trainer_wait_s": statistics.mean(r.get("async/trainer_wait_s", 0.0) for r in rows),
+            "engine_idle_s": statistics.mean(r.get("async/engine_idle_s", 0.0) for r in rows),
             "load": (run_dir / "bench_load.txt").read_text().split()[0]}
 
 
@@ -152,7 +154,7 @@ def main() -> None:
         raise SystemExit("needs two cores (engine and trainer each on one)")
     print(f"load average before: {loadavg()}", flush=True)
     sft = sft_checkpoint(args.work)
-    sft_acc = grpo_run(args.work, sft, "sync", 0, 0, args.algo)["accuracy"]  # 0 steps: the SFT weights
+    sft_acc = json.loads((sft / "run_state.json").read_text())["eval"]["start"]["eval/accuracy"]
     print(f"held-out accuracy after the SFT cold start: {sft_acc:.3f}; GRPO overrides: {args.algo}")
     runs = []
     for seed in args.seeds:
