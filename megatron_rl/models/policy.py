@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron_rl.common.metrics import reduce_metrics
 from megatron_rl.compat import megatron_cpu_scope
 from megatron_rl.models import checkpoint, gpt
-from megatron_rl.models.batch import MicroBatch, SequenceBatch, pad_token_fields
+from megatron_rl.models.batch import MicroBatch, PerSequence, SequenceBatch, pad_token_fields
 from megatron_rl.models.config import PolicyConfig
 from megatron_rl.models.hf_config import HFArch, read_hf_config
 from megatron_rl.models.hf_export import export_hf_metadata, export_hf_weights
@@ -174,8 +174,11 @@ class MegatronPolicy:
         return logps, ents
 
     def train_step(self, batch: SequenceBatch, loss_fn: LossFn, temperature: float,
-                   with_entropy: bool) -> dict[str, float]:
-        """One optimizer step on this mini-batch; returns reduced metrics + grad_norm and lr."""
+                   with_entropy: bool, per_sequence: PerSequence | None = None) -> dict[str, float]:
+        """One optimizer step on this mini-batch; returns reduced metrics + grad_norm and lr.
+
+        ``per_sequence`` (optional) also collects per-sequence values from this forward (before
+        the update), gathered onto every rank."""
         g = self.groups
         micro = plan_micro_batches(batch, self.groups, self.cfg.micro_batch_tokens)
         for chunk in self.model:
@@ -195,6 +198,8 @@ class MegatronPolicy:
             view = MicroBatch(logp=dense, entropy=dense_ent, mask=mb.mask, fields=fields,
                               index=torch.tensor(mb.index, dtype=torch.long, device=g.device))
             loss, metrics = loss_fn(view)
+            if per_sequence is not None and g.tp_rank == 0:
+                per_sequence.add(view)
             metrics = {k: float(v) for k, v in metrics.items()}
             return loss, torch.tensor(int(mb.mask.sum()), dtype=torch.int), metrics
 
@@ -211,6 +216,8 @@ class MegatronPolicy:
         else:
             gathered = [mine]
         metrics = reduce_metrics(d for part in gathered for d in part)
+        if per_sequence is not None:
+            per_sequence.gather(_all_reduce_cpu(g) if g.world_size > 1 else None)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
         metrics["lr"] = lr
         if not ok:
@@ -268,3 +275,14 @@ class MegatronPolicy:
     def load_checkpoint(self, ckpt_dir: str | Path) -> None:
         """Load a checkpoint written by :meth:`save_checkpoint`, at this or another layout."""
         checkpoint.load_checkpoint(self, ckpt_dir)
+
+
+def _all_reduce_cpu(g: ParallelGroups):
+    """An in-place sum over the world for a CPU tensor (through the device NCCL needs)."""
+
+    def reduce(t: torch.Tensor) -> None:
+        on_device = t.to(g.device)
+        dist.all_reduce(on_device)
+        t.copy_(on_device.cpu())
+
+    return reduce

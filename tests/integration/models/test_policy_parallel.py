@@ -92,6 +92,13 @@ def test_layout_matches_transformers(case, run):
     valid = [t for t in ref_logps if t.numel()]
     assert metrics["logp_min"] == pytest.approx(min(float(t.min()) for t in valid), abs=2e-5)
     assert metrics["logp_max"] == pytest.approx(max(float(t.max()) for t in valid), abs=2e-5)
+    # Per-sequence values from the training forward, gathered onto rank 0 (the rollout dumps').
+    for i, (lp, ent) in enumerate(zip(ref_logps, ref_ents)):
+        if lp.numel():
+            assert float(got["per_seq"]["logp"][i]) == pytest.approx(float(lp.double().mean()), abs=2e-5)
+            assert float(got["per_seq"]["ent"][i]) == pytest.approx(float(ent.double().mean()), abs=2e-5)
+        else:  # no response tokens: no micro-batch held it
+            assert torch.isnan(got["per_seq"]["logp"][i]) and torch.isnan(got["per_seq"]["ent"][i])
     ref_norm = float(torch.sqrt(sum((g ** 2).sum() for g in ref_grads.values())))
     assert metrics["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
     if got["grads"] is not None:  # not exported with the distributed optimizer
