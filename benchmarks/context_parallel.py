@@ -89,7 +89,7 @@ def attention_part(seq: int, repeats: int, device: str = "cpu", dtype=torch.floa
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_rl.compat import megatron_cpu_scope
-    from megatron_rl.demo.tiny import TinySpec
+    from megatron_rl.demo.config import TinySpec
     from megatron_rl.models import ParallelConfig, destroy_distributed, init_distributed
     from megatron_rl.models.attention import SDPAttention
 
@@ -189,7 +189,8 @@ def worker(args) -> None:
 
 
 def policy_part(args) -> dict:
-    from megatron_rl.demo.tiny import TinySpec, write_tiny_model
+    from megatron_rl.demo.config import TinySpec
+    from megatron_rl.demo.tiny import write_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="cp_bench_") as tmp:
         hf = write_tiny_model(Path(tmp) / "tiny",

@@ -48,15 +48,6 @@ def split_for_cp(tensors: dict[str, torch.Tensor], cp_group) -> dict[str, torch.
     return get_batch_on_this_cp_rank(dict(tensors), cp_group=cp_group)
 
 
-def local_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Global positions of this rank's ``seq_len / cp_size`` local positions, in local order."""
-    if seq_len % (2 * cp_size):
-        raise ValueError(f"local_positions: seq_len {seq_len} is not a multiple of 2 * CP = "
-                         f"{2 * cp_size}")
-    c = seq_len // (2 * cp_size)
-    return torch.cat([torch.arange(k * c, (k + 1) * c) for k in chunks_of_rank(cp_size, cp_rank)])
-
-
 # ------------------------------------------------------------------------------------------------
 # Attention over the CP group (CPU)
 

@@ -11,8 +11,8 @@ after it (``TELayerNormColumnParallelLinear``), so the norm weights live under t
 
 Every other parameter has the same name, shape and layout in both. The correspondence is not ours:
 it is the ``sharded_state_dict_keys_map`` of Megatron's local layer spec (under which the local
-spec's distributed checkpoints store its norms with the TE names, so checkpoints move between the
-two specs unchanged); :func:`local_to_te_prefixes` reads it from there.
+spec's distributed checkpoints store its norms with the TE names); :func:`local_to_te_prefixes`
+reads it from there.
 """
 
 from __future__ import annotations

@@ -13,9 +13,6 @@ are printed on failure); fp32 TE vs local 2e-4 (different kernels, fp32 accumula
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,7 +27,8 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "integration" / "models"))
 sys.path.insert(0, str(HERE))
 
-from policy_testlib import hf_reference, make_batch, make_loss_fn, max_abs_diff, write_hf_model  # noqa: E402
+from policy_testlib import (hf_reference, make_batch, make_loss_fn, max_abs_diff,  # noqa: E402
+                            torchrun, write_hf_model)
 from te_cp_worker import LENGTHS, PROMPTS, TEMPERATURE  # noqa: E402
 
 
@@ -115,30 +113,16 @@ def test_te_export_to_vllm_is_the_same_bytes(arch, hf_dirs, groups):
         assert torch.equal(te[name], tensor) and torch.equal(local[name], tensor), name
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(out: Path, hf: Path, device: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(HERE.parents[1]),
-                                                     os.environ.get("PYTHONPATH")) if p)}
-    if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           str(HERE / "te_cp_worker.py"), str(out), str(hf)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+def _cp_run(out: Path, hf: Path, device: str) -> dict:
+    env = {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else None
+    torchrun(HERE / "te_cp_worker.py", out, hf, nproc=2, timeout=600, env=env)
     return torch.load(out, weights_only=False)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="TE context parallelism needs 2 GPUs")
 def test_te_context_parallel_matches_ours(hf_dirs, tmp_path):
-    te = _torchrun(tmp_path / "te.pt", hf_dirs["llama"], "cuda")
-    ours = _torchrun(tmp_path / "ours.pt", hf_dirs["llama"], "cpu")
+    te = _cp_run(tmp_path / "te.pt", hf_dirs["llama"], "cuda")
+    ours = _cp_run(tmp_path / "ours.pt", hf_dirs["llama"], "cpu")
     assert max_abs_diff(te["logps"], ours["logps"]) < 2e-4
     assert max_abs_diff(te["ents"], ours["ents"]) < 2e-4
     assert te["metrics"]["loss"] == pytest.approx(ours["metrics"]["loss"], abs=1e-4)

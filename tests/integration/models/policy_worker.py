@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint  # noqa: F401 - CheckpointException
 
 sys.path.insert(0, str(Path(__file__).parent))
-from policy_testlib import make_batch, make_loss_fn  # noqa: E402
+from policy_testlib import make_batch, make_loss_fn, run_cases  # noqa: E402
 
 from megatron_rl.compat import apply_cpu_shim  # noqa: E402
 from megatron_rl.models import OptimConfig, ParallelConfig, PolicyConfig, init_distributed  # noqa: E402
@@ -209,15 +208,7 @@ def main() -> None:
         "resume_exact": lambda: run_resume_exact(out, llama, out / "ckpt"),
         "bad_layouts": lambda: run_bad_layouts(out, llama),
     }
-    for name, fn in cases.items():
-        if only and name not in only:
-            continue
-        t0 = time.time()
-        fn()
-        if torch.distributed.get_rank() == 0:
-            print(f"case {name}: {time.time() - t0:.1f}s", flush=True)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    run_cases(cases, only)
 
 
 if __name__ == "__main__":

@@ -71,21 +71,31 @@ def te_declared_names(spec, qkv_bias: bool) -> set[str]:
     return names
 
 
-@pytest.fixture(scope="module")
-def local_layers(tmp_path_factory):
-    """One built local-spec layer per architecture: {arch: (HFArch, {name: shape})}."""
-    from megatron_rl.models import ParallelConfig, destroy_distributed, init_distributed
-    from megatron_rl.models import hf_bridge
-    from megatron_rl.compat import megatron_cpu_scope
+ARCHS = (("llama", False), ("qwen2", True), ("qwen3", False))
 
-    groups = init_distributed(ParallelConfig())
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_names")
+    return {arch: write_hf_model(root / arch, arch, tie=tie, kv_heads=2, layers=2)
+            for arch, tie in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def local_layers(hf_dirs):
+    """One built local-spec layer per architecture: {arch: (HFArch, {name: shape})}."""
+    from megatron_rl.compat import apply_cpu_shim, megatron_cpu_scope
+    from megatron_rl.models import ParallelConfig, destroy_distributed, init_distributed
+    from megatron_rl.models.gpt import build_model_chunks
+    from megatron_rl.models.hf_config import read_hf_config
+
+    apply_cpu_shim()  # the entry point's one explicit call (no-op with CUDA)
+    groups = init_distributed(ParallelConfig())
     out = {}
-    for arch, tie in (("llama", False), ("qwen2", True), ("qwen3", False)):
-        hf = write_hf_model(root / arch, arch, tie=tie, kv_heads=2, layers=2)
-        spec = hf_bridge.read_hf_config(hf)
+    for arch, hf in hf_dirs.items():
+        spec = read_hf_config(hf)
         with megatron_cpu_scope():
-            chunk = hf_bridge.build_model_chunks(spec, groups, torch.float32)[0]
+            chunk = build_model_chunks(spec, groups, torch.float32)[0]
         out[arch] = (spec, {n: tuple(p.shape) for n, p in chunk.decoder.layers[0].named_parameters()})
     yield out
     destroy_distributed()
@@ -123,3 +133,45 @@ def test_model_param_names_convert_both_ways():
         assert model_param_name(te, "te", to="local") == local
     with pytest.raises(ValueError, match="unknown parameter-name scheme"):
         model_param_name("decoder.layers.0.input_layernorm.weight", "local", to="apex")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_te_scheme_state_dict_reads_back_as_the_local_one(arch, hf_dirs, local_layers):
+    """The bridge writes a whole model's TP=2 shards in both schemes from one HF checkpoint: the TE
+    dict holds the names the TE spec declares, equals the local dict name by name (after the
+    renaming), and reads back (unshard) to the HF checkpoint's exact bytes, as the local one does."""
+    from safetensors.torch import load_file
+
+    from megatron_rl.models.hf_load import HFCheckpoint, megatron_shards
+    from megatron_rl.models.hf_rules import model_rules, unshard
+    from megatron_rl.models.name_schemes import model_param_name
+
+    spec, _ = local_layers[arch]
+    ckpt, tp = HFCheckpoint(hf_dirs[arch]), 2
+    layers = list(range(spec.num_layers))
+    rules = {scheme: model_rules(spec, layers, first=True, last=True,
+                                 output_layer=not spec.tie_embeddings, scheme=scheme)
+             for scheme in ("local", "te")}
+    shards = {scheme: [dict(megatron_shards(spec, r, ckpt, tp, rank)) for rank in range(tp)]
+              for scheme, r in rules.items()}
+    declared = te_declared_names(te_layer_spec(spec.qk_norm), spec.qkv_bias)
+    for i in layers:
+        prefix = f"decoder.layers.{i}."
+        assert {n[len(prefix):] for n in rules["te"] if n.startswith(prefix)} == declared
+    for rank in range(tp):
+        te, local = shards["te"][rank], shards["local"][rank]
+        renamed = {model_param_name(n, "te", to="local"): t for n, t in te.items()}
+        assert set(renamed) == set(local)
+        for name, tensor in local.items():
+            assert renamed[name].dtype == tensor.dtype and torch.equal(renamed[name], tensor), name
+    original = load_file(str(hf_dirs[arch] / "model.safetensors"))
+    for scheme, r in rules.items():
+        read_back = {}
+        for name, rule in r.items():
+            for hf_name, t in zip(rule.hf, unshard(spec, rule, [s[name] for s in shards[scheme]])):
+                read_back[hf_name] = t
+        if spec.tie_embeddings:
+            original.pop("lm_head.weight", None)
+        assert set(read_back) == set(original), scheme
+        for name, tensor in original.items():
+            assert torch.equal(read_back[name], tensor), (scheme, name)
