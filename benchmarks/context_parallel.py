@@ -178,14 +178,14 @@ def worker(args) -> None:
         peaks = [None] * groups.world_size
         torch.distributed.all_gather_object(peaks, peak)
         results[cp] = {"peak_bytes_per_rank": peaks, "step_time_s": elapsed, "logps": logps[0]}
-        del policy
-        destroy_distributed()
+        del policy  # the next init_distributed rebuilds Megatron's groups in the same world
     if int(os.environ.get("RANK", "0")) == 0:
         diff = float((results[1]["logps"] - results[2]["logps"]).abs().max())
         out = {f"cp{cp}": {k: v for k, v in r.items() if k != "logps"}
                for cp, r in results.items()}
         out["max_abs_logprob_diff"] = diff
         Path(args.out).write_text(json.dumps(out))
+    destroy_distributed()
 
 
 def policy_part(args) -> dict:
