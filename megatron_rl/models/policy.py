@@ -219,7 +219,9 @@ class MegatronPolicy:
             view = MicroBatch(logp=dense, entropy=dense_ent, mask=mb.mask, fields=fields,
                               index=torch.tensor(mb.index, dtype=torch.long, device=g.device))
             loss, metrics = loss_fn(view)
-            if per_sequence is not None and g.tp_rank == 0:
+            # one contribution per sequence: every TP rank and (after the sum) every CP rank
+            # holds the same view, and gather() sums the ranks' contributions
+            if per_sequence is not None and g.tp_rank == 0 and g.cp_rank == 0:
                 per_sequence.add(view)
             metrics = {k: float(v) for k, v in metrics.items()}
             return loss + keep, torch.tensor(int(mb.mask.sum()), dtype=torch.int), metrics

@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from policy_testlib import make_batch, make_loss_fn, run_cases  # noqa: E402
+from policy_testlib import make_batch, make_loss_fn, run_cases, seq_means  # noqa: E402
 
 from megatron_rl.compat import apply_cpu_shim  # noqa: E402
 from megatron_rl.models import (OptimConfig, ParallelConfig, PolicyConfig,  # noqa: E402
                                 RecomputeConfig, init_distributed)
+from megatron_rl.models.batch import PerSequence  # noqa: E402
 from megatron_rl.models.policy import MegatronPolicy  # noqa: E402
 
 TEMPERATURE = 0.7
@@ -63,10 +64,13 @@ def run_layout(out, hf_dir, case, grads=True, sparse=False, **layout):
     calls = [0]
     hooks = [layer.mlp.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
              for chunk in policy.model for layer in chunk.module.decoder.layers]
-    metrics = policy.train_step(batch, make_loss_fn(batch), TEMPERATURE, with_entropy=True)
+    per_seq = PerSequence(seq_means, ("logp", "ent"), len(batch))
+    metrics = policy.train_step(batch, make_loss_fn(batch), TEMPERATURE, with_entropy=True,
+                                per_sequence=per_seq)
     for h in hooks:
         h.remove()
     _save(out, case, {"logps": logps, "ents": ents, "metrics": metrics, "mlp_calls": calls[0],
+                      "per_seq": per_seq.values,
                       "grads": _export(policy, grads=True) if grads else None,
                       "weights": _export(policy)})
 

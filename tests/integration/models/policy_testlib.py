@@ -83,6 +83,15 @@ def make_loss_fn(batch, denominator: float | None = None):
     return loss_fn
 
 
+def seq_means(mb) -> dict[str, torch.Tensor]:
+    """Per sequence of a micro-batch view: mean log-prob and entropy of its response tokens (a
+    ``PerSequence`` function for the training forward)."""
+    m = mb.mask
+    n = m.sum(1).clamp(min=1)
+    return {"logp": mb.logp.masked_fill(~m, 0.0).sum(1) / n,
+            "ent": mb.entropy.masked_fill(~m, 0.0).sum(1) / n}
+
+
 def hf_reference(hf_dir: str | Path, batch, temperature: float, grads: bool = True):
     """float64 transformers: per-sequence response log-probs and entropies, the summed test loss
     and its gradient per HF parameter name."""

@@ -65,6 +65,10 @@ def test_context_parallel_equals_cp1(case, run):
     m, mb = got["metrics"], base["metrics"]
     assert m["loss"] == pytest.approx(mb["loss"], abs=1e-6)
     assert m["tokens"] == mb["tokens"]  # counted once per CP group, not once per CP rank
+    for name in ("logp", "ent"):  # per-sequence values of the training forward, once per group
+        a, b = got["per_seq"][name], base["per_seq"][name]
+        assert torch.equal(a.isnan(), b.isnan())
+        assert float((a - b).nan_to_num().abs().max()) < 3e-6
     assert m["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-5)
     if got["grads"] is not None:  # not exported with the distributed optimizer
         assert _max_rel_grad_diff(got["grads"], base["grads"]) < 1e-5
