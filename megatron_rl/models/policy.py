@@ -1,6 +1,7 @@
 """The Megatron-Core policy: log-probs and entropy of responses, one optimizer step, HF export.
 
-Built from a Hugging Face checkpoint into any TP x PP (x VPP) x DP layout (:meth:`from_hf`). Both
+Built from a Hugging Face checkpoint into any TP x PP (x VPP) x CP x DP layout (:meth:`from_hf`),
+on the Transformer Engine or the local layer spec (``policy.layer_spec``). Both
 :meth:`compute_logprobs` and :meth:`train_step` shard the batch over data-parallel ranks, bin-pack
 micro-batches under a token budget and run them through Megatron's pipeline schedule
 (``get_forward_backward_func``). On the last stage, log-probs and entropy of the response tokens
@@ -12,6 +13,14 @@ Loss contract of :meth:`train_step`: ``loss_fn`` returns a loss already normalis
 denominators, so the gradient is d/dθ of the SUM of ``loss_fn`` over all micro-batches and all DP
 ranks. Megatron is configured not to average (``calculate_per_token_loss=True`` with no token
 scaling in ``finalize_model_grads``: micro-batch losses are summed, DP gradients are summed).
+
+Context parallelism: each CP rank computes the log-probs (and entropy) of the response tokens in
+its chunks; they are summed over the CP group into the micro-batch's full ``[b, T]`` layout (an
+all-reduce whose backward is the identity), so ``loss_fn`` sees exactly what it sees without CP and
+every CP rank computes the same loss. Each rank's backward then reaches only its own tokens (and,
+through the attention's K/V exchange, the others' keys), and Megatron sums the gradients over the
+data- and context-parallel ranks: the sum is the gradient of the one loss. Metrics and token counts
+are taken from CP rank 0.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from megatron_rl.models.config import PolicyConfig
 from megatron_rl.models.hf_config import HFArch, read_hf_config
 from megatron_rl.models.hf_export import export_hf_metadata, export_hf_weights
 from megatron_rl.models.hf_load import load_hf_weights
+from megatron_rl.models.layers import resolve_layer_spec
 from megatron_rl.models.micro_batches import MicroInputs, plan_micro_batches
 from megatron_rl.models.optimizer import wrap_for_training
 from megatron_rl.models.parallel import ParallelGroups, check_layout
@@ -43,9 +53,10 @@ class MegatronPolicy:
     """A Megatron-Core GPT policy on one layout; every method is collective over the world."""
 
     def __init__(self, arch: HFArch, cfg: PolicyConfig, groups: ParallelGroups,
-                 model: list, optimizer, scheduler):
+                 model: list, optimizer, scheduler, layer_spec: str = "local"):
         self.arch = arch
         self.cfg = cfg
+        self.layer_spec = layer_spec  # resolved: te or local (also the parameter-name scheme)
         self.groups = groups
         self.model = model  # DDP-wrapped chunks, one per virtual pipeline stage
         self.optimizer = optimizer
@@ -59,22 +70,26 @@ class MegatronPolicy:
         cfg.validate()
         groups.check_current()
         par = cfg.parallel
-        got = (groups.tp, groups.pp, groups.vpp, groups.sequence_parallel)
-        want = (par.tensor_parallel, par.pipeline_parallel, par.vpp, par.sequence_parallel)
+        got = (groups.tp, groups.pp, groups.vpp, groups.sequence_parallel, groups.cp)
+        want = (par.tensor_parallel, par.pipeline_parallel, par.vpp, par.sequence_parallel,
+                par.context_parallel)
         if got != want:
-            raise ValueError(f"policy.parallel asks for (TP, PP, VPP, SP) = {want} but the process "
-                             f"groups were initialised for {got}: pass the same ParallelConfig to "
-                             f"init_distributed")
+            raise ValueError(f"policy.parallel asks for (TP, PP, VPP, SP, CP) = {want} but the "
+                             f"process groups were initialised for {got}: pass the same "
+                             f"ParallelConfig to init_distributed")
         arch = read_hf_config(hf_dir)
         check_layout(par, groups.world_size, arch.shape)  # before building anything
+        spec = _check_spec(cfg, groups)
         dtype = torch.bfloat16 if cfg.params_dtype == "bf16" else torch.float32
         with megatron_cpu_scope():  # construction allocates on "cuda" (no-op with CUDA)
-            chunks = gpt.build_model_chunks(arch, groups, dtype)
-            load_hf_weights(arch, chunks, hf_dir, groups)
+            chunks = gpt.build_model_chunks(arch, groups, dtype, layer_spec=spec,
+                                            recompute=cfg.recompute.megatron_kwargs(),
+                                            cp_comm_type=par.cp_comm_type)
+            load_hf_weights(arch, chunks, hf_dir, groups, scheme=spec)
             if groups.device.type == "cuda":  # built and loaded on the CPU (deterministic init)
                 chunks = [chunk.cuda(groups.device) for chunk in chunks]
             model, optimizer, scheduler = wrap_for_training(chunks, cfg, dtype)
-        return cls(arch, cfg, groups, model, optimizer, scheduler)
+        return cls(arch, cfg, groups, model, optimizer, scheduler, layer_spec=spec)
 
     # ---------------------------------------------------------------- schedule plumbing
     def _token_stats(self, mb: MicroInputs, hidden: torch.Tensor, chunk, temperature: float,
@@ -129,7 +144,7 @@ class MegatronPolicy:
             data_iterator=iters if len(iters) > 1 else iters[0],
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=len(micro),
-            seq_length=max(mb.input_ids.shape[1] for mb in micro),
+            seq_length=max(mb.seq_len for mb in micro),  # before the CP split (Megatron divides)
             micro_batch_size=max(mb.input_ids.shape[0] for mb in micro),
             forward_only=forward_only,
             collect_non_loss_data=forward_only,
@@ -187,21 +202,29 @@ class MegatronPolicy:
 
         def loss_step(mb, chunk, hidden):
             logp, ent = self._token_stats(mb, hidden, chunk, temperature, with_entropy)
+            # With CP a rank may hold none of a micro-batch's response tokens (and a stand-in may
+            # have none): its backward must still run through the model (the collectives in it).
+            keep = hidden.sum() * 0.0 if (g.cp > 1 or mb.dummy) else 0.0
             if mb.dummy:  # keeps the graph (and the collectives in backward) with a zero loss
-                return logp.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
+                return logp.sum() * 0.0 + keep, torch.tensor(0, dtype=torch.int), {}
             b = len(mb.index)
             dense = logp.new_zeros(b, mb.width).index_put((mb.pos_b, mb.col), logp)
             dense_ent = (ent.new_zeros(b, mb.width).index_put((mb.pos_b, mb.col), ent)
                          if ent is not None else None)
+            if g.cp > 1:  # each CP rank filled its own tokens: the sum is the whole layout
+                dense, dense_ent = (None if t is None else _sum_over_cp(t, g.cp_group)
+                                    for t in (dense, dense_ent))
             fields = {k: v.to(g.device) for k, v in pad_token_fields(batch, mb.index,
                                                                      mb.width).items()}
             view = MicroBatch(logp=dense, entropy=dense_ent, mask=mb.mask, fields=fields,
                               index=torch.tensor(mb.index, dtype=torch.long, device=g.device))
             loss, metrics = loss_fn(view)
-            if per_sequence is not None and g.tp_rank == 0:
+            # one contribution per sequence: every TP rank and (after the sum) every CP rank
+            # holds the same view, and gather() sums the ranks' contributions
+            if per_sequence is not None and g.tp_rank == 0 and g.cp_rank == 0:
                 per_sequence.add(view)
             metrics = {k: float(v) for k, v in metrics.items()}
-            return loss, torch.tensor(int(mb.mask.sum()), dtype=torch.int), metrics
+            return loss + keep, torch.tensor(int(mb.mask.sum()), dtype=torch.int), metrics
 
         stored = self._run(micro, loss_step, forward_only=False)
         self.scheduler.step(increment=1)  # this step's learning rate (warm-up starts above 0)
@@ -209,7 +232,7 @@ class MegatronPolicy:
         with megatron_cpu_scope():
             ok, grad_norm, _ = self.optimizer.step()
         self.steps += 1
-        mine = stored if (g.is_last_stage and g.tp_rank == 0) else []
+        mine = stored if (g.is_last_stage and g.tp_rank == 0 and g.cp_rank == 0) else []
         gathered: list = [None] * g.world_size
         if g.world_size > 1:
             dist.all_gather_object(gathered, mine)
@@ -244,11 +267,13 @@ class MegatronPolicy:
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         """``(HF name, full tensor)`` on global rank 0, ``(HF name, None)`` elsewhere (collective:
         every rank iterates to the end)."""
-        return export_hf_weights(self.arch, [m.module for m in self.model], self.groups)
+        return export_hf_weights(self.arch, [m.module for m in self.model], self.groups,
+                                 scheme=self.layer_spec)
 
     def export_hf_metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """``(HF name, dtype, shape)`` of what :meth:`export_hf_weights` yields, in order (local)."""
-        return export_hf_metadata(self.arch, [m.module for m in self.model], self.groups)
+        return export_hf_metadata(self.arch, [m.module for m in self.model], self.groups,
+                                  scheme=self.layer_spec)
 
     def export_hf_grads(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         """Like :meth:`export_hf_weights` for the gradients of the last :meth:`train_step`
@@ -258,7 +283,7 @@ class MegatronPolicy:
             raise RuntimeError("export_hf_grads is not available with the distributed optimizer "
                                "at DP > 1")
         return export_hf_weights(self.arch, [m.module for m in self.model], self.groups,
-                                           value=lambda p: p.main_grad)
+                                 value=lambda p: p.main_grad, scheme=self.layer_spec)
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's (TP/PP-local) Megatron parameters, prefixed by chunk index."""
@@ -286,3 +311,24 @@ def _all_reduce_cpu(g: ParallelGroups):
         t.copy_(on_device.cpu())
 
     return reduce
+
+
+def _check_spec(cfg: PolicyConfig, groups: ParallelGroups) -> str:
+    """The layer spec ``cfg.layer_spec`` resolves to here, refusing what it cannot run."""
+    spec = resolve_layer_spec(cfg.layer_spec, cfg.key("layer_spec"))
+    if spec == "local" and groups.cp > 1 and groups.device.type != "cpu":
+        cfg.parallel.fail("context_parallel", f"context_parallel={groups.cp} on GPUs needs the "
+                          f"Transformer Engine spec (layer_spec te or auto with transformer-engine "
+                          f"installed): the local spec's CP attention runs on the CPU")
+    if "layernorm" in cfg.recompute.modules and cfg.recompute.granularity == "selective" \
+            and spec != "te":
+        cfg.recompute.fail("modules", "layernorm recomputation needs the Transformer Engine spec "
+                           "(layer_spec te)")
+    return spec
+
+
+def _sum_over_cp(t: torch.Tensor, cp_group) -> torch.Tensor:
+    """All-reduce over the CP group, identity in backward (Megatron's region op on that group)."""
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(t, group=cp_group)

@@ -13,16 +13,13 @@ vocabulary 61 (padded: exercises the padding mask); fp32. Tolerances:
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from policy_testlib import hf_reference, make_batch, max_abs_diff, write_hf_model
+from policy_testlib import hf_reference, make_batch, max_abs_diff, torchrun, write_hf_models
 
 pytestmark = pytest.mark.slow
 
@@ -32,29 +29,13 @@ LAYOUTS = ["tp2", "tp2_sp", "pp2", "tp2pp2", "pp2_vpp2", "tp2_distopt", "tied_tp
 ARCH = {"tied_tp2pp2": "qwen2", "qknorm_tp2pp2": "qwen3"}  # others: llama
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("policy_parallel")
-    hf = root / "hf"
-    write_hf_model(hf / "llama", "llama", tie=False, kv_heads=2)
-    write_hf_model(hf / "qwen2", "qwen2", tie=True, kv_heads=2)
-    write_hf_model(hf / "qwen3", "qwen3", tie=False, kv_heads=2)
+    hf = write_hf_models(root / "hf")
     out = root / "out"
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           str(HERE / "policy_worker.py"), str(out), str(hf)]
-    repo = str(HERE.parents[2])
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    torchrun(HERE / "policy_worker.py", out, hf)
     worker = _worker_module()
     batch = make_batch(worker.LENGTHS, worker.PROMPTS)
     sparse = make_batch(worker.SPARSE_LENGTHS, worker.SPARSE_PROMPTS)
