@@ -22,11 +22,31 @@ class EngineTimeout(RuntimeError):
     pass
 
 
+def cpu_thread_binding(tensor_parallel_size: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tensor_parallel_size`` CPU workers in this process.
+
+    vLLM's default ("auto") binds one worker per NUMA node and refuses TP > 1 on a one-node
+    machine; this splits the cores this process may use into one contiguous list per worker
+    ("0|1" for two cores), or "nobind" when there are fewer cores than workers.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    if tensor_parallel_size > len(cores):
+        return "nobind"
+    bounds = [round(i * len(cores) / tensor_parallel_size) for i in range(tensor_parallel_size + 1)]
+    return "|".join(",".join(str(c) for c in cores[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:]))
+
+
 class VLLMEngine(RolloutEngine):
     def __init__(self, model_path: str, cfg: RolloutConfig, *, seed: int = 0, max_model_len: int | None = None,
                  name: str = "engine0"):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
+        from vllm import envs as vllm_envs
+
+        if (not torch.cuda.is_available() and cfg.tensor_parallel_size > 1
+                and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto"):
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(cfg.tensor_parallel_size)
+            vllm_envs.disable_envs_cache()  # an engine started before in this process cached it
 
         self.cfg = cfg
         self.name = name
@@ -106,6 +126,16 @@ class VLLMEngine(RolloutEngine):
                                     version_spans=spans if len(spans) > 1 else []))
         return group
 
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Teacher-forced log-probs of ``token_ids[1:]`` (each given the tokens before it), at T = 1."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        out = self._call(lambda: self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))],
+                                                   params, use_tqdm=False))[0]
+        return [float(d[t].logprob) for t, d in zip(token_ids[1:], out.prompt_logprobs[1:])]
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
         t0 = time.perf_counter()
         tensors = [(n, t.detach().to("cpu" if not torch.cuda.is_available() else t.device).contiguous())
@@ -130,4 +160,7 @@ class VLLMEngine(RolloutEngine):
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None:  # stops the worker processes of TP > 1 now, not when collected
+            core.shutdown()
         del self.llm

@@ -3,7 +3,7 @@
 vLLM calls ``fn(worker, *args)``; module-level functions travel by reference, so the same code
 serves an in-process worker and vLLM's own worker processes (engine TP > 1). Each worker joins the
 sync group under its own rank (engine offset + vLLM rank), receives every bucket, and feeds the
-tensors to vLLM's weight loader (``worker.reload_weights``) as they arrive, so a layer is loaded as
+tensors to vLLM's weight loader (``worker_ext.reload_in_place``) as they arrive, so a layer is loaded as
 soon as all of its tensors are in.
 """
 
@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
+from megatron_rl.rollout.worker_ext import reload_in_place
 from megatron_rl.sync.buckets import BucketMeta, checksums, unpack
 from megatron_rl.sync.group import make_group, recv_buckets
 
@@ -77,7 +78,7 @@ def load_buckets(worker, buckets: Iterator[tuple[BucketMeta, torch.Tensor]], ver
     t0 = time.perf_counter()
     stream = named()
     try:
-        worker.reload_weights(weights_iterator=stream, is_checkpoint_format=True)
+        reload_in_place(worker, stream)
     except BaseException:
         _finalize_reload(worker)  # the loader itself failed: restore the layers it displaced
         raise
