@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from megatron_rl.data import PromptRecord
     from megatron_rl.models.policy import MegatronPolicy
+    from megatron_rl.models.reference import ReferencePolicy
     from megatron_rl.rewards import RewardManager
     from megatron_rl.rollout import RolloutEngine
     from megatron_rl.sync.base import WeightSync
@@ -52,6 +53,8 @@ class Context:
     eval_records: list[PromptRecord] = field(default_factory=list)
     # Every rank (the receivers' side joins the collective transports).
     weight_sync: WeightSync | None = None
+    # Every rank, when algo.kl.enabled: built at the first stage (checkpointing.ensure_reference).
+    reference: ReferencePolicy | None = None
 
     @property
     def is_driver(self) -> bool:
@@ -80,6 +83,7 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
 
     from megatron_rl.models.hf_config import HFModelError
     from megatron_rl.models.policy import MegatronPolicy
+    from megatron_rl.models.reference import ReferencePolicy
     from megatron_rl.rewards import RewardManager
     from megatron_rl.rollout import EnginePool, make_engines
     from megatron_rl.sync.base import build_weight_sync

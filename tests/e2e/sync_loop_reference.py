@@ -47,7 +47,9 @@ def run_steps(ctx, stage, state, loader, rollouts, bar) -> None:
             with timer("update"):
                 metrics.update(grpo.update_policy(ctx.policy, batch, cfg.algo, cfg.rollout.temperature,
                                                   alpha=ctx.entropy_ctl.alpha,
-                                                  max_response_len=stage.max_response_len))
+                                                  max_response_len=stage.max_response_len,
+                                                  seed=phases.sampling_seed(cfg.trainer.seed,
+                                                                            state.global_step)))
             with timer("sync"):
                 state.weight_version += 1
                 metrics.update(sync_weights(ctx, state.weight_version))
