@@ -65,18 +65,25 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
     return run(ctx, only_stage=stage)
 
 
+# Exit code of a run stopped by trainer.max_steps_without_update (2: a config error, 99: requeue).
+NO_UPDATE_EXIT_CODE = 3
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand. An :class:`~megatron_rl.common.errors.InputError` (a config value, data
     file, model or checkpoint that cannot work) is printed as one line, ``megatron-rl: ...``, and
-    the exit code is 2; any other exception is a bug and keeps its traceback."""
+    the exit code is 2; a run that trains nothing (:class:`~megatron_rl.trainer.no_update.NoUpdateStop`)
+    prints its diagnosis the same way with exit code 3; any other exception is a bug and keeps its
+    traceback."""
     from megatron_rl.common.errors import InputError
+    from megatron_rl.trainer.no_update import NoUpdateStop
 
     try:
         return _main(list(sys.argv[1:] if argv is None else argv))
-    except InputError as exc:
+    except (InputError, NoUpdateStop) as exc:
         rank = int(os.environ.get("RANK", "0"))
         print(f"megatron-rl: {'' if rank == 0 else f'(rank {rank}) '}{exc}", file=sys.stderr)
-        return 2
+        return NO_UPDATE_EXIT_CODE if isinstance(exc, NoUpdateStop) else 2
 
 
 def _main(argv: list[str]) -> int:
