@@ -32,11 +32,18 @@ def _setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def model_dir(cfg) -> str:
+    """The model the run starts from: ``model.path``, or the tiny model written into the run dir."""
+    from megatron_rl.demo import tiny_model_dir
+
+    return cfg.model.path or str(tiny_model_dir(cfg.trainer.run_dir))
+
+
 def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[str]) -> int:
     """The entry point of a run: config, CPU shim, process groups, the demo's inputs, the trainer's
     parts, signal handlers, then the stages."""
     from megatron_rl.compat import apply_cpu_shim
-    from megatron_rl.demo import prepare_inputs, tiny_model_dir
+    from megatron_rl.demo import prepare_inputs
     from megatron_rl.models import init_distributed
     from megatron_rl.models.hf_config import read_hf_config
     from megatron_rl.trainer.context import build_context
@@ -51,7 +58,7 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
         cfg.stage(stage)  # fail fast on an unknown stage, before anything is built
     apply_cpu_shim()  # the one call that lets Megatron-Core run without CUDA (a no-op with CUDA)
     groups = init_distributed(cfg.policy.parallel, seed=cfg.policy.seed)
-    model_path = cfg.model.path or str(tiny_model_dir(cfg.trainer.run_dir))
+    model_path = model_dir(cfg)
     if groups.rank == 0:
         prepare_inputs(cfg.trainer.run_dir, tiny=None if cfg.model.path else cfg.model.tiny,
                        synthetic=cfg.synthetic, seed=cfg.trainer.seed)
