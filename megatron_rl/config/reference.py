@@ -62,10 +62,10 @@ def leaf_keys(cls, prefix: str = "") -> list[str]:
         tp = hints[f.name]
         nested = _section(tp)
         if nested is None:
-            keys.append(f"{prefix}{f.name}")
+            keys.append(f"{prefix}{yaml_key(f)}")
         else:
             item = ".0" if typing.get_origin(tp) is list else ""
-            keys += leaf_keys(nested, f"{prefix}{f.name}{item}.")
+            keys += leaf_keys(nested, f"{prefix}{yaml_key(f)}{item}.")
     return keys
 
 

@@ -27,6 +27,7 @@ import torch
 from megatron_rl.models.batch import MicroBatch, SequenceBatch, pad_token_fields
 from megatron_rl.rewards import Outcome, register_reward
 from megatron_rl.rollout import Completion, RolloutEngine, SamplingSpec
+from megatron_rl.rollout.streaming import GroupStream
 
 STYLE = "walk_digits"
 
@@ -192,6 +193,26 @@ class BigramEngine(RolloutEngine):
 
     def reset_prefix_cache(self) -> None:
         pass
+
+
+class BigramStream(BigramEngine, GroupStream):
+    """The bigram engine as a streaming engine (what rollout.async's oversampling needs): a submit
+    generates at once and delivers; nothing stays in flight."""
+
+    keeps_in_flight = True
+    can_abort = True
+
+    def submit(self, prompt_ids, sampling, tags, on_done) -> None:
+        on_done(list(zip(tags, self.generate(prompt_ids, sampling))))
+
+    def abort(self, tags) -> None:
+        pass
+
+    def busy_seconds(self) -> float:
+        return 0.0
+
+    def in_flight(self) -> int:
+        return 0
 
 
 class Groups(SimpleNamespace):

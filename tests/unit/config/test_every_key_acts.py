@@ -86,7 +86,8 @@ def run_fake(cfg: RunConfig, tmp: Path, *, drop_version: bool = False,
 
     policy = fake_run.BigramPolicy(len(tok), log, on_step=preempt)
     policy.lr = cfg.policy.optim.lr  # as the Megatron policy's optimizer starts
-    engine = fake_run.BigramEngine(policy.theta, tok.eos_token_id, log, tok, drop_version=drop_version)
+    kind = fake_run.BigramStream if cfg.rollout.async_.needs_streaming else fake_run.BigramEngine
+    engine = kind(policy.theta, tok.eos_token_id, log, tok, drop_version=drop_version)
     train, held_out = load_run_data(cfg, tok)
     root = Path(cfg.trainer.run_dir)
     ctx = Context(cfg=cfg, run=RunDir(root), groups=fake_run.Groups(), policy=policy, tokenizer=tok,
@@ -420,6 +421,11 @@ PROBES: dict[str, Probe] = {
     "rollout.top_k": Probe("3", R),
     "rollout.max_prompt_len": Probe("10", D),
     "rollout.eval_max_tokens": Probe("3", R),
+    # asynchronous GRPO: which weights sampled what, how many prompts are drawn
+    "rollout.async.max_staleness": Probe("1", R),
+    "rollout.async.oversample": Probe("0.5", R),
+    "rollout.async.dynamic_sampling": Probe("true", R),
+    "rollout.async.max_draw_factor": Probe("1.0", R, ["rollout.async.dynamic_sampling=true"]),
     # the trainer
     "trainer.run_dir": Probe("{tmp}/elsewhere", observe_run_dir),
     "trainer.seed": Probe("7", R),
