@@ -124,6 +124,7 @@ class StreamingVLLMEngine(VLLMEngine, GroupStream):
         self._busy = 0.0
         self._closed = False
         self._ids = itertools.count()
+        self._scores: dict[str, cf.Future] = {}  # vLLM request id -> the caller of score()
         self.llm.llm_engine.set_weight_version(str(self.weight_version))
         self._thread = threading.Thread(target=self._loop, name=f"vllm-{self.name}-loop", daemon=True)
         self._thread.start()
@@ -158,6 +159,10 @@ class StreamingVLLMEngine(VLLMEngine, GroupStream):
     def _deliver(self, finished) -> None:
         done = []
         for out in finished:
+            scored = self._scores.pop(out.request_id, None)
+            if scored is not None:  # a probe (score), not a group
+                scored.set_result(out)
+                continue
             entry = self._requests.pop(out.request_id, None)
             if entry is None:  # aborted meanwhile
                 continue
@@ -167,6 +172,9 @@ class StreamingVLLMEngine(VLLMEngine, GroupStream):
         _notify(done)
 
     def _fail_all(self, exc: BaseException) -> None:
+        scores, self._scores = self._scores, {}
+        for fut in scores.values():
+            fut.set_exception(exc)
         pending, self._requests = self._requests, {}
         self._by_tag.clear()
         _notify([(on_done, tag, exc) for tag, on_done in pending.values()])
@@ -240,6 +248,24 @@ class StreamingVLLMEngine(VLLMEngine, GroupStream):
             if isinstance(r, BaseException):
                 raise r
         return [results[i] for i in range(len(prompt_ids))]
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Teacher-forced log-probs at T = 1 (the sync's probe), through the loop: the engine is
+        shared with requests in flight, whose outputs a plain ``llm.generate`` would swallow."""
+        prompt, params = self.score_request(token_ids)
+        done: cf.Future = cf.Future()
+
+        def add():
+            rid = self.llm.enqueue([prompt], [params], use_tqdm=False)[0]
+            self._scores[rid.rsplit("-", 1)[0]] = done  # vLLM appends a random suffix internally
+
+        self._call(add)
+        try:
+            out = done.result(timeout=self.cfg.timeout_s)
+        except cf.TimeoutError:
+            raise EngineTimeout(f"{self.name}: the probe was not scored within rollout.timeout_s="
+                                f"{self.cfg.timeout_s}s") from None
+        return self.prompt_logprobs(out, token_ids)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
         """Load weights between two engine steps; requests in flight continue with them."""

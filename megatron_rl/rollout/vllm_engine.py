@@ -126,15 +126,25 @@ class VLLMEngine(RolloutEngine):
                                     version_spans=spans if len(spans) > 1 else []))
         return group
 
-    def score(self, token_ids: list[int]) -> list[float]:
-        """Teacher-forced log-probs of ``token_ids[1:]`` (each given the tokens before it), at T = 1."""
+    @staticmethod
+    def score_request(token_ids: list[int]) -> tuple:
+        """The vLLM prompt and parameters that score ``token_ids`` (their prompt log-probs)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        out = self._call(lambda: self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))],
-                                                   params, use_tqdm=False))[0]
+        return TokensPrompt(prompt_token_ids=list(token_ids)), params
+
+    @staticmethod
+    def prompt_logprobs(out, token_ids: list[int]) -> list[float]:
+        """``token_ids[1:]``'s log-probs from a scored request's output."""
         return [float(d[t].logprob) for t, d in zip(token_ids[1:], out.prompt_logprobs[1:])]
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Teacher-forced log-probs of ``token_ids[1:]`` (each given the tokens before it), at T = 1."""
+        prompt, params = self.score_request(token_ids)
+        out = self._call(lambda: self.llm.generate([prompt], params, use_tqdm=False))[0]
+        return self.prompt_logprobs(out, token_ids)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
         t0 = time.perf_counter()

@@ -11,9 +11,33 @@ from megatron_rl.trainer.phases import reward_item
 
 
 def sync_weights(ctx: Context, version: int) -> dict:
-    """Trainer weights -> engine (every rank drains the collective export iterator)."""
+    """Trainer weights -> engine (every rank drains the collective export iterator), then, with
+    ``sync.verify``, :func:`verify_probe`."""
     m = ctx.weight_sync.sync(ctx.policy.export_hf_weights(), version)
-    return m.as_dict() if hasattr(m, "as_dict") else dict(m)
+    metrics = m.as_dict() if hasattr(m, "as_dict") else dict(m)
+    if ctx.cfg.sync.verify:
+        metrics.update(verify_probe(ctx))
+    return metrics
+
+
+def verify_probe(ctx: Context) -> dict:
+    """Every engine's log-probs of the fixed probe sequence against the trainer's own
+    (``megatron_rl.sync.probe``); raises SyncMismatch naming the engine past the tolerance.
+    Collective: every rank takes part in the trainer's forward."""
+    from megatron_rl.models.batch import SequenceBatch
+    from megatron_rl.sync import probe
+
+    tokens = probe.probe_tokens(min(len(ctx.tokenizer), ctx.policy.arch.vocab_size))
+    (mine,), _ = ctx.policy.compute_logprobs(SequenceBatch(sequences=[tokens], prompt_lens=[1]), 1.0,
+                                             with_entropy=False)
+    if not ctx.is_driver:
+        return {}
+    cfg = ctx.cfg
+    tolerance = cfg.sync.probe_tolerance or probe.default_tolerance(cfg.rollout.dtype)
+    gaps = [probe.compare(getattr(engine, "name", f"engine{i}"), engine.score(tokens), mine.tolist(),
+                          tolerance) for i, engine in enumerate(ctx.engines)]
+    return {"sync/probe_gap_mean": max(g["mean"] for g in gaps),
+            "sync/probe_gap_max": max(g["max"] for g in gaps)}
 
 
 def evaluate(ctx: Context, max_tokens: int, records: list[PromptRecord] | None = None,

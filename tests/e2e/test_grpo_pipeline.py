@@ -36,8 +36,10 @@ def _train(run_dir: Path, *overrides: str, timeout: int = 600) -> subprocess.Com
 MINI = [
     # 1-digit sums: after a short cold start the tiny model is right sometimes, so groups have variance.
     "synthetic.min_digits=1", "synthetic.max_digits=1", "synthetic.train_size=60", "synthetic.eval_size=5",
-    # head_dim 32: the smallest vLLM-CPU attention supports (16 fails in the engine).
+    # head_dim 32: the smallest vLLM-CPU attention supports (16 fails in the engine). Tied
+    # embeddings: every sync's probe (sync.verify) checks that the engine's output layer follows.
     "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=2",
+    "model.tiny.tie_word_embeddings=true",
     "model.tiny.intermediate_size=128", "model.tiny.num_layers=2",
     "sft.max_steps=300", "sft.eval_every=25", "sft.eval_size=8", "sft.stop_accuracy=0.3", "sft.batch_size=32",
     "sft.lr=0.003", "sft.slow_down_at=1.0",
@@ -91,6 +93,7 @@ def test_rl_invariants_from_logged_metrics(finished_run):
         assert 0.0 <= r["actor/entropy"] <= math.log(vocab) + 1e-6
         assert r["grad_norm"] > 0 and math.isfinite(r["grad_norm"])
         assert r["sync/tensors"] > 0
+        assert r["sync/probe_gap_mean"] < 1e-4  # the engine computes with what was sent
 
 
 def test_grpo_changed_the_weights(finished_run):

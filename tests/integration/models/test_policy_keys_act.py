@@ -32,7 +32,7 @@ PROBES = {  # key: (changed value, given overrides)
     "policy.optim.clip_grad": ("0.01", []),
     "policy.optim.lr_warmup_steps": ("2", []),
     "policy.optim.lr_decay_style": ("cosine", ["policy.optim.lr_decay_steps=3"]),
-    "policy.optim.lr_decay_steps": ("2", ["policy.optim.lr_decay_style=linear"]),
+    "policy.optim.lr_decay_steps": ("2", ["policy.optim.lr_decay_style=linear", "policy.optim.lr_decay_steps=3"]),
     "policy.micro_batch_tokens": ("30", []),
     "policy.params_dtype": ("bf16", []),
     "policy.seed": ("7", []),
@@ -82,7 +82,8 @@ def _observe(cfg, model_dir, groups) -> dict:
                                 timeout_s=p.parallel.timeout_s)
     from megatron_rl.models import init_distributed
 
-    out["timeout"] = init_distributed(one_rank, seed=p.seed).timeout_s  # joins this world
+    groups = init_distributed(one_rank, seed=p.seed)  # joins this world with the keys' settings
+    out["timeout"] = groups.timeout_s
     out["rng"] = [float(s.double().sum()) for s in rng_tracker_states().values()]
     local = type(p)(**{**{f: getattr(p, f) for f in ("optim", "micro_batch_tokens", "params_dtype",
                                                        "seed", "reference")}, "parallel": one_rank})

@@ -98,7 +98,7 @@ def tied_engine_and_hf(request, tmp_path_factory):
     """A tied-embedding model (no lm_head tensor of its own) on an engine at vLLM TP 1 and 2."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.models.tiny import TinySpec, write_tiny_model
+    from megatron_rl.demo import TinySpec, write_tiny_model
     from megatron_rl.rollout import RolloutConfig, make_engine
 
     path = str(write_tiny_model(tmp_path_factory.mktemp("tied"),

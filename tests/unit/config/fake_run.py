@@ -145,8 +145,10 @@ def _processed(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
 
 
 class BigramEngine(RolloutEngine):
-    def __init__(self, theta: torch.Tensor, eos: int, log: Log, tokenizer, *, drop_version=False):
+    def __init__(self, theta: torch.Tensor, eos: int, log: Log, tokenizer, *, drop_version=False,
+                 stale=False):
         self.theta = theta.detach().clone()
+        self.stale = stale  # a broken engine: reports the new version, keeps computing with the old
         self.eos = eos
         self.log = log
         self.tokenizer = tokenizer
@@ -184,8 +186,14 @@ class BigramEngine(RolloutEngine):
             out.append(group)
         return out
 
+    def score(self, token_ids: list[int]) -> list[float]:
+        lp, _ = _sequence_logp(self.theta, list(token_ids), 1, 1.0)
+        return [float(x) + 1e-6 for x in lp]  # engine precision
+
     def update_weights(self, named_tensors, version: int) -> dict:
-        self.theta = dict(named_tensors)["theta"].clone()
+        new = dict(named_tensors)["theta"].clone()
+        if not self.stale:
+            self.theta = new
         if not self.drop_version:
             self.weight_version = version
         self.log.add("sync", version)

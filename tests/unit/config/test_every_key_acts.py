@@ -60,7 +60,7 @@ def base_overrides(tmp: Path) -> list[str]:
     ]
 
 
-def run_fake(cfg: RunConfig, tmp: Path, *, drop_version: bool = False,
+def run_fake(cfg: RunConfig, tmp: Path, *, drop_version: bool = False, stale: bool = False,
              preempt_after: int | None = None) -> dict:
     """A whole run (``trainer.run.run``) on the fakes; returns its transcript."""
     from megatron_rl.algo import EntropyController
@@ -87,7 +87,7 @@ def run_fake(cfg: RunConfig, tmp: Path, *, drop_version: bool = False,
     policy = fake_run.BigramPolicy(len(tok), log, on_step=preempt)
     policy.lr = cfg.policy.optim.lr  # as the Megatron policy's optimizer starts
     kind = fake_run.BigramStream if cfg.rollout.async_.needs_streaming else fake_run.BigramEngine
-    engine = kind(policy.theta, tok.eos_token_id, log, tok, drop_version=drop_version)
+    engine = kind(policy.theta, tok.eos_token_id, log, tok, drop_version=drop_version, stale=stale)
     train, held_out = load_run_data(cfg, tok)
     root = Path(cfg.trainer.run_dir)
     ctx = Context(cfg=cfg, run=RunDir(root), groups=fake_run.Groups(), policy=policy, tokenizer=tok,
@@ -112,6 +112,11 @@ def observe_run(cfg: RunConfig, tmp: Path):
 
 def observe_run_broken_engine(cfg: RunConfig, tmp: Path):
     return run_fake(cfg, tmp, drop_version=True)
+
+
+def observe_run_stale_engine(cfg: RunConfig, tmp: Path):
+    """An engine that reports the new version but keeps computing with the old weights."""
+    return run_fake(cfg, tmp, stale=True)
 
 
 def observe_preempted(cfg: RunConfig, tmp: Path):
@@ -456,6 +461,7 @@ PROBES: dict[str, Probe] = {
     "stages.0.lr": Probe("0.01", R),
     # the weight sync: a broken engine (never reports the loaded version) is caught by verify
     "sync.verify": Probe("false", RB),
+    "sync.probe_tolerance": Probe("100.0", observe_run_stale_engine),
     "sync.transport": Probe("cuda_ipc", R),
     # data
     "data.train_path": Probe("{walk}/data/eval.jsonl", D),
