@@ -268,8 +268,6 @@ def observe_code(cfg: RunConfig, tmp: Path):
         uid = int(res.stdout.split()[0]) if res.stdout else None
         out.append((uid if cfg.reward.code.sandbox.uid_span == 1 else uid is not None,
                     res.stdout.split("\n")[0].split(" ", 1)[-1], len(res.stdout), res.timed_out))
-        slow = box.run_python("import time; time.sleep(0.5)")
-        out.append(slow.timed_out)
     except Exception as exc:  # noqa: BLE001
         out.append(f"{type(exc).__name__}: {exc}")
     cases = {"inputs": ["1", "2", "3"], "outputs": ["0", "2", "3"]}  # the first case fails
@@ -281,6 +279,12 @@ def observe_code(cfg: RunConfig, tmp: Path):
     except Exception as exc:  # noqa: BLE001
         out.append(f"{type(exc).__name__}: {exc}")
     return out
+
+
+def observe_sandbox_timeout(cfg: RunConfig, tmp: Path):
+    from megatron_rl.rewards import sandbox as sb
+
+    return sb.Sandbox(cfg.reward.code.sandbox).run_python("import time; time.sleep(0.4)").timed_out
 
 
 def observe_code_without_isolation(cfg: RunConfig, tmp: Path):
@@ -494,7 +498,7 @@ PROBES: dict[str, Probe] = {
     "reward.code.timeout_s": Probe("0.25", C, ["reward.code.sandbox.timeout_s=0.2"]),
     "reward.code.stop_on_first_failure": Probe("false", C, ["reward.code.mode=all_pass"]),
     "reward.code.max_cases": Probe("1", C),
-    "reward.code.sandbox.timeout_s": Probe("0.2", C),
+    "reward.code.sandbox.timeout_s": Probe("0.2", observe_sandbox_timeout),
     "reward.code.sandbox.cpu_s": Probe("3", C),
     "reward.code.sandbox.memory_mb": Probe("256", C),
     "reward.code.sandbox.max_procs": Probe("4", C),
@@ -560,7 +564,10 @@ def walk_dir(tmp_path_factory):
     from megatron_rl.tracking import report
 
     plot_run, report.plot_run = report.plot_run, lambda *a, **k: None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: more threads only spin
     yield tmp_path_factory.mktemp("walk")
+    torch.set_num_threads(threads)
     report.plot_run = plot_run
 
 
