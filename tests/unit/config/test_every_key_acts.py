@@ -290,15 +290,15 @@ def observe_sandbox_timeout(cfg: RunConfig, tmp: Path):
 def observe_code_without_isolation(cfg: RunConfig, tmp: Path):
     from megatron_rl.rewards import sandbox as sb
 
-    real = sb.isolation_mode
-    sb.isolation_mode = lambda: "none"
+    real = sb.isolation_mode, sb.isolation_problem
+    sb.isolation_mode, sb.isolation_problem = (lambda *a, **k: "none"), (lambda *a, **k: "no bwrap")
     try:
         sb.Sandbox(cfg.reward.code.sandbox)
         return "started"
     except Exception as exc:  # noqa: BLE001
         return type(exc).__name__
     finally:
-        sb.isolation_mode = real
+        sb.isolation_mode, sb.isolation_problem = real
 
 
 class _JudgeServer(BaseHTTPRequestHandler):
