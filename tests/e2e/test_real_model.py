@@ -83,7 +83,7 @@ def test_a_few_grpo_steps_on_a_real_tied_model(smollm2, tmp_path):
            "rollout.kv_cache_bytes=67108864", "rollout.max_num_seqs=8",
            "algo.filter_zero_variance_groups=false",  # an update every step, whatever the rewards
            "algo.mismatch.mode=tis_token",  # old log-probs recomputed: the train-inference gap is logged
-           "algo.entropy.mode=off", "policy.optim.lr=1.0e-5", "policy.micro_batch_tokens=4096",
+           "policy.optim.lr=1.0e-5", "policy.micro_batch_tokens=4096",
            "trainer.save_every=0", "tracking.wandb_mode=disabled"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

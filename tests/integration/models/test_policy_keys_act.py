@@ -95,8 +95,9 @@ def _observe(cfg, model_dir, groups) -> dict:
     finally:
         megatron_optimizer.get_megatron_optimizer = real
     oc = seen[0]
-    out["optimizer"] = (type(policy.optimizer).__name__, oc.lr, oc.weight_decay, oc.adam_beta1,
-                        oc.adam_beta2, oc.adam_eps, oc.clip_grad, oc.params_dtype)
+    out["optimizer"] = (type(policy.optimizer).__name__, oc.use_distributed_optimizer, oc.lr,
+                        oc.weight_decay, oc.adam_beta1, oc.adam_beta2, oc.adam_eps, oc.clip_grad,
+                        oc.params_dtype, policy.model[0].ddp_config.use_distributed_optimizer)
     batch = make_batch(LENGTHS, PROMPTS, seed=3)
     out["micro_batches"] = len(plan_micro_batches(batch, groups, local.micro_batch_tokens))
     steps = [policy.train_step(batch, make_loss_fn(batch), 1.0, with_entropy=True) for _ in range(3)]
