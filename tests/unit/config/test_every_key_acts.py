@@ -12,7 +12,9 @@ observable before and after:
 * data: the records the run loads; rewards: the scores (and what reaches the pool, math-verify, the
   sandboxed program, the judge server); tracking: what W&B is started with and the files written;
   the demo's inputs: the files written;
-* ``policy.*``: with the real Megatron policy in ``tests/integration/models/test_policy_keys_act.py``.
+* ``policy.*``: with the real Megatron policy in ``tests/integration/models/test_policy_keys_act.py``;
+* the rollout engine's set-up and the sync transfer's keys (``AWAITING_FLEET``): not walked until the
+  vLLM-server fleet (issue 11) that replaces them lands.
 """
 
 from __future__ import annotations
@@ -34,6 +36,17 @@ from megatron_rl.config.reference import leaf_keys
 from megatron_rl.trainer.schema import RunConfig, load_run_config
 
 INTEGRATION_SECTIONS = ("policy.",)  # walked by tests/integration/models/test_policy_keys_act.py
+# Not walked yet: the engine's set-up and the transfer's keys act only on a real engine (an engine in
+# the trainer's process gets the tensors directly whatever sync.transport says), and the
+# vLLM-server fleet (issue 11) replaces both; they get probes on the fleet once it lands. A key in
+# this set must still exist, and a new key cannot hide here: the walk fails on any other key
+# without a probe.
+AWAITING_FLEET = frozenset({
+    "rollout.engine", "rollout.num_engines", "rollout.max_response_len", "rollout.dtype",
+    "rollout.kv_cache_bytes", "rollout.gpu_memory_utilization", "rollout.tensor_parallel_size",
+    "rollout.enforce_eager", "rollout.max_num_seqs", "rollout.timeout_s",
+    "rollout.async.partial_rollout", "sync.transport", "sync.bucket_bytes", "sync.timeout_s",
+    "sync.master_addr"})
 
 
 @dataclass
@@ -466,7 +479,6 @@ PROBES: dict[str, Probe] = {
     # the weight sync: a broken engine (never reports the loaded version) is caught by verify
     "sync.verify": Probe("false", RB),
     "sync.probe_tolerance": Probe("100.0", observe_run_stale_engine),
-    "sync.transport": Probe("cuda_ipc", R),
     # data
     "data.train_path": Probe("{walk}/data/eval.jsonl", D),
     "data.prompt_key": Probe("data_source", D),
@@ -541,11 +553,14 @@ PROBES: dict[str, Probe] = {
 
 def test_every_key_has_a_probe():
     keys = leaf_keys(RunConfig)
-    missing = [k for k in keys if k not in PROBES and not k.startswith(INTEGRATION_SECTIONS)]
+    missing = [k for k in keys if k not in PROBES and k not in AWAITING_FLEET
+               and not k.startswith(INTEGRATION_SECTIONS)]
     assert not missing, (f"config keys without a probe in {__file__}: {missing}. Say what each "
                          f"changes (a Probe: the changed value and the section's observable)")
-    stale = sorted(set(PROBES) - set(keys))
+    stale = sorted((set(PROBES) | AWAITING_FLEET) - set(keys))
     assert not stale, f"probes for keys that no longer exist: {stale}"
+    both = sorted(set(PROBES) & AWAITING_FLEET)
+    assert not both, f"keys with a probe are walked: drop them from AWAITING_FLEET: {both}"
 
 
 def _config(overrides: list[str], tmp: Path, extra: dict) -> RunConfig:
