@@ -395,12 +395,12 @@ def observe_demo_inputs(cfg: RunConfig, tmp: Path):
 R, D, RW, C, J, RB = observe_run, observe_data, observe_rewards, observe_code, observe_judge, \
     observe_run_broken_engine
 OFF = ["algo.n_sgd=2", "policy.optim.lr=3.0"]  # a second pass far from the first: ratios move
-TINY = ["model.path=", "model.tiny={hidden_size: 64, intermediate_size: 48, num_layers: 1, "
+TINY = ['model.path=""', "model.tiny={hidden_size: 64, intermediate_size: 48, num_layers: 1, "
         "num_heads: 2, num_kv_heads: 2}"]
-ONE = ["rollout.group_size=1"]
+ONE = ["data.style_key=data_source"]  # exact_boxed: every answer unparsable, no group varies
 # evaluations at steps 1, 2, 3 of a four-step stage, on which the model scores (accuracy > 0)
 PLATEAU = ["eval.every=1", "algo.correct_reward=0.3",
-           "stages=[{name: s1, max_response_len: 5, max_steps: 4}]"]  # groups of one response: every group has zero variance
+           "stages=[{name: s1, max_response_len: 5, max_steps: 4}]"]
 JUDGE = ["reward.judge.mode=main", "reward.judge.base_url={judge}", "reward.judge.model=j",
          "reward.judge.styles=[exact_boxed]"]
 
@@ -412,7 +412,7 @@ PROBES: dict[str, Probe] = {
     "algo.truncation_mask": Probe("after", R),
     "algo.filter_zero_variance_groups": Probe("false", R, ONE),
     "algo.correct_reward": Probe("0.5", R),
-    "algo.wrong_reward": Probe("0.7", R, ONE),
+    "algo.wrong_reward": Probe("0.7", R),  # a group of equal fractional rewards counts as all-wrong
     "algo.policy_loss": Probe("reinforce", R),
     "algo.clip.eps_low": Probe("0.01", R, OFF),
     "algo.clip.eps_high": Probe("0.02", R, [*OFF, "algo.clip.eps_low=0.01"]),
@@ -467,7 +467,7 @@ PROBES: dict[str, Probe] = {
     "sft.stop_accuracy": Probe("0.0", R, ["sft.enabled=true"]),
     "sft.max_seconds": Probe("1.0e-9", R, ["sft.enabled=true"]),
     "sft.control": Probe("true", R, ["sft.enabled=true"]),
-    "eval.path": Probe("", R),
+    "eval.path": Probe('""', R),
     "eval.size": Probe("2", R),
     "eval.every": Probe("1", R),
     "stages.0.name": Probe("first", R),
