@@ -9,7 +9,8 @@ absolute gap above ``sync.probe_tolerance`` fails the sync, naming the engine.
 
 from __future__ import annotations
 
-# Longer than one 128-token KV block of vLLM-CPU, so a block-granular cache would be exercised.
+# Longer than one 128-token KV block of vLLM-CPU, so a block-granular cache would be exercised;
+# shorter where the engines hold fewer tokens (``RunConfig.engine_context_len``).
 PROBE_LEN = 160
 
 

@@ -111,9 +111,9 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
     ctx = Context(cfg=cfg, run=run, groups=groups, policy=policy, tokenizer=tokenizer, model_path=model_path,
                   entropy_ctl=EntropyController(cfg.algo.entropy), stop=stop,
                   train_records=train_records, eval_records=eval_records)
-    max_len = cfg.rollout.max_prompt_len + max(s.max_response_len for s in cfg.stages)
     if ctx.is_driver:
-        ctx.engines = make_engines(model_path, cfg.rollout, seed=cfg.trainer.seed, max_model_len=max_len)
+        ctx.engines = make_engines(model_path, cfg.rollout, seed=cfg.trainer.seed,
+                                   max_model_len=cfg.engine_context_len())
         ctx.engine = ctx.engines[0] if len(ctx.engines) == 1 else EnginePool(ctx.engines, cfg.rollout.timeout_s)
         ctx.reward_mgr = RewardManager(cfg.reward)
         run_state = run.read_run_state()

@@ -27,7 +27,8 @@ def verify_probe(ctx: Context) -> dict:
     from megatron_rl.models.batch import SequenceBatch
     from megatron_rl.sync import probe
 
-    tokens = probe.probe_tokens(min(len(ctx.tokenizer), ctx.policy.arch.vocab_size))
+    tokens = probe.probe_tokens(min(len(ctx.tokenizer), ctx.policy.arch.vocab_size),
+                                min(probe.PROBE_LEN, ctx.cfg.engine_context_len() - 1))  # + 1 sampled
     (mine,), _ = ctx.policy.compute_logprobs(SequenceBatch(sequences=[tokens], prompt_lens=[1]), 1.0,
                                              with_entropy=False)
     if not ctx.is_driver:

@@ -67,6 +67,10 @@ class RunConfig(ConfigBase):
                 return s
         raise ConfigError("stages", f"no stage named {name!r}; stages are {[s.name for s in self.stages]}")
 
+    def engine_context_len(self) -> int:
+        """Tokens one engine sequence holds: the longest prompt plus the longest stage's response."""
+        return self.rollout.max_prompt_len + max(s.max_response_len for s in self.stages)
+
 
 def validate_cross(cfg: RunConfig) -> None:
     """Checks that span components (each component checks its own fields in its validate)."""

@@ -77,7 +77,7 @@ def test_a_few_grpo_steps_on_a_real_tied_model(smollm2, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(REPO / "configs/demo_cpu.yaml"),
            "--run-dir", str(run_dir), f"model.path={smollm2}", "model.tiny=null", "synthetic.enabled=false",
-           f"data.train_path={data}", "eval.path=", "sft.enabled=false",
+           f"data.train_path={data}", 'eval.path=""', "sft.enabled=false",
            "stages=[{name: real, max_response_len: 8, max_steps: 2}]",
            "rollout.rollout_batch_size=2", "rollout.group_size=2", "rollout.max_prompt_len=64",
            "rollout.kv_cache_bytes=67108864", "rollout.max_num_seqs=8",

