@@ -8,12 +8,16 @@ RUN_DIR ?= runs/demo
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: demo test setup lint
+.PHONY: demo demo-cleaning test setup lint
 setup:
 	bash scripts/bootstrap.sh
 
 demo: setup
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python -m megatron_rl.cli demo --run-dir $(RUN_DIR) $(ARGS)
+
+# The data-cleaning demo: planted wrong labels found live (configs/demo_cleaning.yaml).
+demo-cleaning: setup
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/python -m megatron_rl.cli train --config configs/demo_cleaning.yaml $(ARGS)
 
 test: setup
 	bash scripts/test.sh $(PYTEST_ARGS)

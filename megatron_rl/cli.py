@@ -4,6 +4,9 @@
     megatron-rl demo  [--run-dir DIR] [key.sub=value ...]      # the built-in CPU demo
     megatron-rl validate CONFIG.yaml [...]                     # load + validate configs
     megatron-rl data difficulty ...                            # label prompts by difficulty
+    megatron-rl analyze RUN_DIR                                # the run report (HTML)
+
+train and demo take --verbose: libraries' INFO logs on the console too (always in RUN_DIR/logs/).
 """
 
 from __future__ import annotations
@@ -19,17 +22,22 @@ DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo_cpu.yam
 
 
 def _setup_logging() -> None:
+    """Our lines on the console (rank 0; warnings only elsewhere), libraries' INFO off it."""
+    from megatron_rl.tracking.logs import quiet_vllm_console, set_console_verbose
+
+    quiet_vllm_console()  # before anything imports vLLM
     rank = int(os.environ.get("RANK", "0"))
-    level = logging.INFO if rank == 0 else logging.WARNING
     try:
         from rich.logging import RichHandler
 
         handler = RichHandler(show_path=False, markup=False, log_time_format="[%X]")
-        logging.basicConfig(level=level, format="%(message)s", handlers=[handler])
+        logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[handler])
     except ImportError:  # pragma: no cover
-        logging.basicConfig(level=level, format="%(asctime)s %(message)s")
-    for noisy in ("vllm", "transformers", "megatron", "urllib3", "wandb"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        logging.basicConfig(level=logging.INFO, handlers=[handler])
+    handler.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    set_console_verbose(False)
 
 
 def model_dir(cfg) -> str:
@@ -39,13 +47,15 @@ def model_dir(cfg) -> str:
     return cfg.model.path or str(tiny_model_dir(cfg.trainer.run_dir))
 
 
-def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[str]) -> int:
+def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[str],
+           verbose: bool = False) -> int:
     """The entry point of a run: config, CPU shim, process groups, the demo's inputs, the trainer's
     parts, signal handlers, then the stages."""
     from megatron_rl.compat import apply_cpu_shim
     from megatron_rl.demo import prepare_inputs
     from megatron_rl.models import init_distributed
     from megatron_rl.models.hf_config import read_hf_config
+    from megatron_rl.tracking.logs import hidden_warnings, route_logs
     from megatron_rl.trainer.context import build_context
     from megatron_rl.trainer.run import run
     from megatron_rl.trainer.schema import check_model_limits, load_run_config
@@ -53,11 +63,16 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
 
     if run_dir is not None:  # ``--run-dir ''`` is refused by the config's check, never ignored
         overrides = [*overrides, f"trainer.run_dir={json.dumps(run_dir)}"]  # a YAML string, always
+    if verbose:
+        overrides = [*overrides, "tracking.console_libraries=true"]
     cfg = load_run_config(config, overrides)
     if stage:
         cfg.stage(stage)  # fail fast on an unknown stage, before anything is built
     apply_cpu_shim()  # the one call that lets Megatron-Core run without CUDA (a no-op with CUDA)
     groups = init_distributed(cfg.policy.parallel, seed=cfg.policy.seed)
+    logs = route_logs(cfg.trainer.run_dir, verbose=cfg.tracking.console_libraries, rank=groups.rank)
+    if groups.rank == 0:
+        logging.getLogger("megatron_rl").info("libraries' logs: %s", logs)
     model_path = model_dir(cfg)
     if groups.rank == 0:
         prepare_inputs(cfg.trainer.run_dir, tiny=None if cfg.model.path else cfg.model.tiny,
@@ -69,7 +84,11 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
     stop = StopRequest()
     ctx = build_context(cfg, groups, model_path, stop)
     stop.install_signal_handlers()  # after the engines are built, so nothing replaces them
-    return run(ctx, only_stage=stage)
+    code = run(ctx, only_stage=stage)
+    if groups.rank == 0 and hidden_warnings():
+        logging.getLogger("megatron_rl").info("libraries logged %d warnings, kept off the console: %s",
+                                              hidden_warnings(), logs)
+    return code
 
 
 # Exit code of a run stopped by trainer.max_steps_without_update (2: a config error, 99: requeue).
@@ -110,6 +129,13 @@ def _main(argv: list[str]) -> int:
     d = sub.add_parser("demo", help="the built-in CPU demo: SFT cold start + multi-stage GRPO on a tiny model")
     d.add_argument("--run-dir", default="runs/demo")
     d.add_argument("overrides", nargs="*")
+    for sp in (t, d):
+        sp.add_argument("-v", "--verbose", action="store_true",
+                        help="libraries' INFO logs (vLLM, ...) on the console too (tracking.console_libraries)")
+    a = sub.add_parser("analyze", help="write RUN_DIR/report/index.html (the run report); the last "
+                                       "output line is a JSON summary")
+    a.add_argument("run_dir")
+    a.add_argument("--out", default=None, help="report directory (default: RUN_DIR/report)")
     v = sub.add_parser("validate", help="load and validate config files")
     v.add_argument("configs", nargs="+")
     dd = sub.add_parser("data", help="data tools")
@@ -120,9 +146,13 @@ def _main(argv: list[str]) -> int:
 
     _setup_logging()
     if args.cmd == "train":
-        return _train(args.config, args.run_dir, args.stage, args.overrides)
+        return _train(args.config, args.run_dir, args.stage, args.overrides, args.verbose)
     if args.cmd == "demo":
-        return _train(str(DEMO_CONFIG), args.run_dir, None, args.overrides)
+        return _train(str(DEMO_CONFIG), args.run_dir, None, args.overrides, args.verbose)
+    if args.cmd == "analyze":
+        from megatron_rl.analysis.report import cli_main
+
+        return cli_main([args.run_dir] + (["--out", args.out] if args.out else []))
     if args.cmd == "validate":
         from megatron_rl.trainer.schema import load_run_config
 

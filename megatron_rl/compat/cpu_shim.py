@@ -14,7 +14,10 @@ checkpointing) run on the CPU and give the single-rank numbers exactly.
 * ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` use the CPU generator;
 * the per-step Megatron modules that allocate with ``device="cuda"`` (the pipeline schedules'
   token counter, the default causal mask) see a ``torch`` whose factory functions put such tensors
-  on the CPU.
+  on the CPU;
+* Megatron's per-step context-parallel helpers that make a pinned index tensor and move it with
+  ``.cuda()`` (``get_pos_emb_on_this_cp_rank``: this CP rank's rotary angles) run inside
+  :func:`megatron_cpu_scope`, which also drops ``pin_memory`` (there is no pinned allocator).
 
 :func:`megatron_cpu_scope` (a context manager, for the one-off and optimizer calls): a
 :class:`~torch.overrides.TorchFunctionMode` redirects every tensor created or moved to ``"cuda"`` /
@@ -66,6 +69,8 @@ class _CudaToCpuMode(TorchFunctionMode):
         device = kwargs.get("device")
         if device is not None and _is_cuda_device(device):
             kwargs = {**kwargs, "device": _CPU}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU, *args[2:])
         result = func(*args, **kwargs)
@@ -160,6 +165,38 @@ def _patch_megatron_factories() -> None:
         module.torch = proxy
 
 
+# (module, function) pairs of per-step Megatron helpers that run inside megatron_cpu_scope; every
+# module that imported the function by name is listed with it.
+_SCOPED_FUNCTIONS = (
+    ("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank"),
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
+    ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+     "get_pos_emb_on_this_cp_rank"),
+)
+
+
+def _patch_megatron_scoped() -> None:
+    import functools
+    import importlib
+
+    for module_name, name in _SCOPED_FUNCTIONS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # megatron-core absent
+            continue
+        original = getattr(module, name, None)
+        if original is None or getattr(original, "_megatron_rl_scoped", False):
+            continue
+
+        @functools.wraps(original)
+        def scoped(*args, _original=original, **kwargs):
+            with _CudaToCpuMode():
+                return _original(*args, **kwargs)
+
+        scoped._megatron_rl_scoped = True
+        setattr(module, name, scoped)
+
+
 def cpu_shim_active() -> bool:
     """Whether :func:`apply_cpu_shim` has patched this process."""
     return bool(_STATE["applied"])
@@ -177,6 +214,7 @@ def apply_cpu_shim() -> bool:
             _patch_torch_cuda()
             _patch_megatron_rng()
             _patch_megatron_factories()
+            _patch_megatron_scoped()
             _STATE["applied"] = True
     return True
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_rl.config.base import ConfigBase
+from megatron_rl.data.wrong_labels import WrongLabelConfig
 
 # Difficulty labels written by `megatron-rl data difficulty` (megatron_rl/tools/difficulty.py).
 DIFFICULTY_LABELS = ("solved", "unsolved", "hard", "suspected_wrong_label", "mixed")
@@ -39,6 +40,8 @@ class DataConfig(ConfigBase):
     keep_labels: list[str] = field(default_factory=list)
     pass_rate_min: float = 0.0
     pass_rate_max: float = 1.0
+    # Live wrong-label detection during GRPO (the difficulty rule over each prompt's newest samples).
+    wrong_labels: WrongLabelConfig = field(default_factory=WrongLabelConfig)
 
     def validate(self) -> None:
         super().validate()

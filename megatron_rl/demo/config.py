@@ -54,18 +54,33 @@ class SyntheticConfig(ConfigBase):
 
     # Write RUN_DIR/data/{train,eval}.jsonl (verl format) if they do not exist yet.
     enabled: bool = False
-    # Training problems (distinct).
+    # Training prompts (distinct), RUN_DIR/data/train.jsonl.
     train_size: int = 20000
+    # Problems with reference solutions for the SFT cold start, RUN_DIR/data/sft.jsonl, distinct from
+    # the training prompts (0: none written; point sft.data_path at the file to use it).
+    sft_size: int = 0
     # Held-out problems, drawn from a disjoint part of the problem space (never trained on).
     eval_size: int = 500
     # Operand sizes in digits.
     min_digits: int = 2
     max_digits: int = 3
+    # Plant wrong labels: this share of the training prompts get a wrong ground truth (the sum plus
+    # a random nonzero offset). Their ids go to RUN_DIR/data/planted.json, against which `megatron-rl
+    # analyze` scores the live suspected-wrong-label list (recall, precision).
+    wrong_label_fraction: float = 0.0
+    # This share of the training prompts become hard problems of a kind held out of the SFT data
+    # and the rest of the task (one operand with max_digits + 1 digits; data source
+    # "synthetic/addition_<max_digits+1>digit"), labelled right: they must stay off the
+    # suspected-wrong-label list (listed in planted.json as "hard").
+    hard_fraction: float = 0.0
 
     def validate(self) -> None:
         super().validate()
         self.check_range("train_size", lo=1)
+        self.check_range("sft_size", lo=0)
         self.check_range("eval_size", lo=1)
         self.check_range("min_digits", lo=1)
         if self.max_digits < self.min_digits:
             self.fail("max_digits", f"must be >= min_digits ({self.min_digits}), got {self.max_digits}")
+        self.check_range("wrong_label_fraction", lo=0.0, hi=0.5)
+        self.check_range("hard_fraction", lo=0.0, hi=0.5)

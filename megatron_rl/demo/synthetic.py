@@ -67,24 +67,60 @@ def sample_problems(n: int, seed: int, split: str, min_digits: int = 2, max_digi
     return out
 
 
-def to_verl_row(p: Problem, index: int, split: str) -> dict:
+def to_verl_row(p: Problem, index: int, split: str, ground_truth: str | None = None,
+                data_source: str = DATA_SOURCE) -> dict:
+    """A verl row; ``ground_truth`` overrides the true sum (a planted wrong label)."""
+    gt = p.answer if ground_truth is None else ground_truth
     return {
-        "data_source": DATA_SOURCE,
+        "data_source": data_source,
         "prompt": [{"role": "user", "content": p.question}],
         "ability": "arithmetic",
-        "reward_model": {"style": REWARD_STYLE, "ground_truth": p.answer},
-        "extra_info": {"split": split, "index": index, "solution": p.solution},
+        "reward_model": {"style": REWARD_STYLE, "ground_truth": gt},
+        "extra_info": {"split": split, "index": index, "uid": f"{split}-{index}",
+                       "solution": f"\\boxed{{{gt}}}"},
     }
 
 
-def write_dataset(path: str | Path, problems: list[Problem], split: str) -> Path:
-    """Write problems as verl-format JSON lines."""
+def write_dataset(path: str | Path, problems: list[Problem], split: str,
+                  labels: dict[int, str] | None = None, sources: dict[int, str] | None = None) -> Path:
+    """Write problems as verl-format JSON lines; ``labels`` / ``sources`` map a row index to a
+    planted label / another data source."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for i, p in enumerate(problems):
-            f.write(json.dumps(to_verl_row(p, i, split)) + "\n")
+            row = to_verl_row(p, i, split, (labels or {}).get(i), (sources or {}).get(i, DATA_SOURCE))
+            f.write(json.dumps(row) + "\n")
     return path
+
+
+def held_out_kind(max_digits: int) -> str:
+    """The data source of the planted hard problems (an operand one digit longer than the task's)."""
+    return f"{DATA_SOURCE}_{max_digits + 1}digit"
+
+
+def plant(problems: list[Problem], seed: int, wrong_label_fraction: float, hard_fraction: float,
+          max_digits: int) -> tuple[list[Problem], dict[int, str], dict[str, list[int]]]:
+    """Plant wrong labels and hard problems among ``problems`` (data cleaning's test set).
+
+    Returns the problems (some replaced by hard ones: an operand with ``max_digits + 1`` digits, a
+    kind no other problem has, with their own data source :func:`held_out_kind`), the wrong labels
+    by row index (the sum plus a nonzero offset in [-99, 99], kept positive), and the planted row
+    indices by kind.
+    """
+    rng = random.Random(f"{seed}-plant")
+    n = len(problems)
+    rows = rng.sample(range(n), round(n * wrong_label_fraction) + round(n * hard_fraction))
+    wrong_rows, hard_rows = rows[: round(n * wrong_label_fraction)], rows[round(n * wrong_label_fraction):]
+    out = list(problems)
+    for i in hard_rows:
+        out[i] = Problem(rng.randint(10**max_digits, 10 ** (max_digits + 1) - 1), problems[i].b)
+    labels = {}
+    for i in wrong_rows:
+        offset = rng.choice([d for d in range(-99, 100) if d])
+        s = out[i].a + out[i].b
+        labels[i] = str(s + offset if s + offset > 0 else s - offset)
+    return out, labels, {"wrong_label": sorted(wrong_rows), "hard": sorted(hard_rows)}
 
 
 # Every character the task, its chat template and its solutions can produce.

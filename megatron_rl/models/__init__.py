@@ -11,11 +11,11 @@
 """
 
 from megatron_rl.models.batch import MicroBatch, SequenceBatch
-from megatron_rl.models.config import OptimConfig, ParallelConfig, PolicyConfig
+from megatron_rl.models.config import OptimConfig, ParallelConfig, PolicyConfig, RecomputeConfig
 from megatron_rl.models.parallel import ParallelGroups, destroy_distributed, init_distributed
 
 __all__ = ["MicroBatch", "OptimConfig", "ParallelConfig", "ParallelGroups", "PolicyConfig",
-           "SequenceBatch", "destroy_distributed", "init_distributed"]
+           "RecomputeConfig", "SequenceBatch", "destroy_distributed", "init_distributed"]
 
 
 def __getattr__(name):  # MegatronPolicy imports megatron lazily: keep `import megatron_rl.models` light

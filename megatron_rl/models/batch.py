@@ -80,6 +80,39 @@ class MicroBatch:
     index: torch.Tensor  # [b] positions of these sequences in the SequenceBatch
 
 
+class PerSequence:
+    """Per-sequence values computed from the training forward, gathered onto every rank.
+
+    ``fn(view)`` returns ``{name: tensor [b]}`` for a :class:`MicroBatch` (called without grad, on
+    the ranks that hold the loss); ``names`` lists what it returns. After
+    ``policy.train_step(batch, ..., per_sequence=ps)``, ``ps.values[name]`` is a ``[B]`` CPU float
+    tensor in batch order, NaN for a sequence no micro-batch held (no response tokens).
+    """
+
+    def __init__(self, fn, names: tuple[str, ...], n: int):
+        self.fn, self.names, self.n = fn, tuple(names), n
+        self._flat = torch.zeros(len(self.names) + 1, n, dtype=torch.float32)  # last row: seen
+        self.values: dict[str, torch.Tensor] = {}
+
+    def add(self, view: MicroBatch) -> None:
+        with torch.no_grad():
+            out = self.fn(view)
+        index = view.index.cpu()
+        for i, name in enumerate(self.names):
+            self._flat[i, index] = out[name].detach().float().cpu()
+        self._flat[-1, index] = 1.0
+
+    def gather(self, all_reduce=None) -> dict[str, torch.Tensor]:
+        """Sum the ranks' disjoint contributions (``all_reduce(tensor)`` in place; None: one rank)."""
+        flat = self._flat
+        if all_reduce is not None:
+            all_reduce(flat)
+        seen = flat[-1] > 0
+        self.values = {name: torch.where(seen, flat[i], torch.full_like(flat[i], float("nan")))
+                       for i, name in enumerate(self.names)}
+        return self.values
+
+
 def shard_for_dp(lengths: list[int], dp: int) -> list[list[int]]:
     """Split sequence indices over ``dp`` ranks, balancing total tokens (longest first onto the
     lightest rank). Every rank gets at least one sequence when there are at least ``dp``."""

@@ -10,7 +10,7 @@ from megatron_rl.config.base import ConfigBase
 
 @dataclasses.dataclass(kw_only=True)
 class ParallelConfig(ConfigBase):
-    """How the policy is split over the trainer's ranks; data parallel = world size / (TP x PP)."""
+    """How the policy is split over the trainer's ranks; data parallel = world size / (TP x PP x CP)."""
 
     # Tensor-parallel size: attention heads, MLP and vocabulary split across this many ranks.
     tensor_parallel: int = 1
@@ -21,6 +21,15 @@ class ParallelConfig(ConfigBase):
     virtual_pipeline: int | None = None
     # Sequence parallelism (shards LayerNorm/dropout activations over the TP group); needs TP > 1.
     sequence_parallel: bool = False
+    # Context-parallel size: every sequence is split over this many ranks (2 x CP load-balanced
+    # chunks, Megatron's layout), which divides each rank's activation memory by about CP.
+    # Attention over the split sequence: Transformer Engine's on GPUs (layer_spec te), ours (an
+    # all-gather of K/V over the CP group) on the CPU.
+    context_parallel: int = 1
+    # How Transformer Engine's attention exchanges K/V over the CP group: p2p (ring), all_gather,
+    # a2a (heads all-to-all; needs the attention heads per TP rank divisible by CP). The CPU path
+    # always all-gathers; the result is the same.
+    cp_comm_type: Literal["p2p", "all_gather", "a2a"] = "p2p"
     # Shard the optimizer state over the data-parallel ranks (Megatron's distributed optimizer).
     use_distributed_optimizer: bool = False
     # Seconds any collective may wait before the run fails with a timeout instead of hanging.
@@ -30,6 +39,7 @@ class ParallelConfig(ConfigBase):
         super().validate()
         self.check_range("tensor_parallel", lo=1)
         self.check_range("pipeline_parallel", lo=1)
+        self.check_range("context_parallel", lo=1)
         self.check_range("timeout_s", lo=0.0, lo_open=True)
         if self.virtual_pipeline is not None:
             self.check_range("virtual_pipeline", lo=1)
@@ -42,8 +52,8 @@ class ParallelConfig(ConfigBase):
 
     @property
     def model_parallel(self) -> int:
-        """Ranks that hold one copy of the model (TP x PP)."""
-        return self.tensor_parallel * self.pipeline_parallel
+        """Ranks that run one copy of the model on one batch share (TP x PP x CP)."""
+        return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
 
     @property
     def vpp(self) -> int:
@@ -100,6 +110,45 @@ class OptimConfig(ConfigBase):
                           f"got {self.lr_decay_steps}")
 
 
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RecomputeConfig(ConfigBase):
+    """Activation recomputation (Megatron's): keep fewer activations, recompute them in backward.
+    The gradients are the same as without it (the forward is deterministic)."""
+
+    # none (keep every activation), selective (recompute the submodules in `modules`), full (keep
+    # only the inputs of whole layers, see `method` / `num_layers`).
+    granularity: Literal["none", "selective", "full"] = "none"
+    # full only: uniform = every `num_layers` consecutive layers are one recomputed unit; block =
+    # the first `num_layers` layers of each pipeline stage are recomputed, the rest keep theirs.
+    method: Literal["uniform", "block"] = "uniform"
+    # full only: layers per unit (uniform) or recomputed layers per pipeline stage (block).
+    num_layers: int = 1
+    # selective only: core_attn (the attention scores; pointless with fused attention, which keeps
+    # none), mlp (the dense MLP), layernorm (the norms; needs the Transformer Engine spec).
+    modules: list[str] = dataclasses.field(default_factory=lambda: ["core_attn"])
+
+    def validate(self) -> None:
+        super().validate()
+        self.check_range("num_layers", lo=1)
+        bad = [m for m in self.modules if m not in RECOMPUTE_MODULES]
+        if bad:
+            self.fail("modules", f"unknown module(s) {bad}; known: {list(RECOMPUTE_MODULES)}")
+        if self.granularity == "selective" and not self.modules:
+            self.fail("modules", "granularity selective needs at least one module")
+
+    def megatron_kwargs(self) -> dict:
+        """The ``TransformerConfig`` fields for this setting."""
+        if self.granularity == "none":
+            return {}
+        if self.granularity == "selective":
+            return {"recompute_granularity": "selective", "recompute_modules": list(self.modules)}
+        return {"recompute_granularity": "full", "recompute_method": self.method,
+                "recompute_num_layers": self.num_layers}
+
+
 @dataclasses.dataclass(kw_only=True)
 class ReferenceConfig(ConfigBase):
     """The reference policy of the KL term (``algo.kl``): frozen weights on the policy's layout,
@@ -123,9 +172,17 @@ class PolicyConfig(ConfigBase):
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     # Optimizer and learning-rate schedule.
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
-    # Token budget of one micro-batch (padded size: sequences x longest sequence); sequences are
-    # bin-packed under it, a longer sequence gets a micro-batch of its own.
+    # Token budget of one micro-batch per rank (padded size: sequences x longest sequence, divided
+    # by context_parallel); sequences are bin-packed under it, a longer one gets a micro-batch of
+    # its own.
     micro_batch_tokens: int = 8192
+    # Megatron layer spec: te (Transformer Engine: fused norm + linear, fused/flash attention,
+    # context parallelism on GPUs; needs CUDA and transformer-engine), local (Megatron-Core's own
+    # layers with our attention on torch's scaled_dot_product_attention), auto (te where it can
+    # run, else local). Same parameters and the same export to the engines either way.
+    layer_spec: Literal["auto", "te", "local"] = "auto"
+    # Activation recomputation.
+    recompute: RecomputeConfig = dataclasses.field(default_factory=RecomputeConfig)
     # Parameter dtype; bf16 keeps fp32 master weights in the optimizer.
     params_dtype: Literal["fp32", "bf16"] = "fp32"
     # Seed of Megatron's model-parallel RNG (dropout, initialisation of anything not loaded).

@@ -1,6 +1,8 @@
 """Forward-only Megatron-Core GPT on one layout: response log-probs (and entropy), no gradient.
 
-:class:`PolicyForward` holds this rank's model chunks and runs them through Megatron's pipeline
+Built from a Hugging Face checkpoint into any TP x PP (x VPP) x CP x DP layout, on the Transformer
+Engine or the local layer spec (``policy.layer_spec``). :class:`PolicyForward` holds this rank's
+model chunks and runs them through Megatron's pipeline
 schedule (``get_forward_backward_func``, forward only) on micro-batches bin-packed under a token
 budget and sharded over data-parallel ranks. On the last stage, log-probs and entropy of the
 response tokens come from the final hidden states and the output-layer weight via
@@ -22,6 +24,7 @@ from megatron_rl.models.batch import SequenceBatch
 from megatron_rl.models.config import PolicyConfig
 from megatron_rl.models.hf_config import HFArch, read_hf_config
 from megatron_rl.models.hf_load import load_hf_weights
+from megatron_rl.models.layers import resolve_layer_spec
 from megatron_rl.models.micro_batches import MicroInputs, plan_micro_batches
 from megatron_rl.models.parallel import ParallelGroups, check_layout
 
@@ -35,8 +38,9 @@ def bare(chunk) -> torch.nn.Module:
     return getattr(chunk, "module", chunk)
 
 
-def build_from_hf(hf_dir: str, cfg: PolicyConfig, groups: ParallelGroups) -> tuple[HFArch, list]:
-    """This rank's chunks for ``groups``' layout with ``hf_dir``'s weights (on the trainer's device).
+def build_from_hf(hf_dir: str, cfg: PolicyConfig, groups: ParallelGroups) -> tuple[HFArch, list, str]:
+    """This rank's chunks for ``groups``' layout with ``hf_dir``'s weights (on the trainer's device),
+    and the layer spec they were built with (te or local: also the parameter-name scheme).
 
     Checks first that ``cfg.parallel`` is the layout the groups were initialised for and that the
     architecture splits over it (naming the values), before building anything.
@@ -44,28 +48,53 @@ def build_from_hf(hf_dir: str, cfg: PolicyConfig, groups: ParallelGroups) -> tup
     cfg.validate()
     groups.check_current()
     par = cfg.parallel
-    got = (groups.tp, groups.pp, groups.vpp, groups.sequence_parallel)
-    want = (par.tensor_parallel, par.pipeline_parallel, par.vpp, par.sequence_parallel)
+    got = (groups.tp, groups.pp, groups.vpp, groups.sequence_parallel, groups.cp)
+    want = (par.tensor_parallel, par.pipeline_parallel, par.vpp, par.sequence_parallel,
+            par.context_parallel)
     if got != want:
-        raise ValueError(f"policy.parallel asks for (TP, PP, VPP, SP) = {want} but the process "
-                         f"groups were initialised for {got}: pass the same ParallelConfig to "
-                         f"init_distributed")
+        raise ValueError(f"policy.parallel asks for (TP, PP, VPP, SP, CP) = {want} but the "
+                         f"process groups were initialised for {got}: pass the same "
+                         f"ParallelConfig to init_distributed")
     arch = read_hf_config(hf_dir)
-    check_layout(par, groups.world_size, arch.shape)
+    check_layout(par, groups.world_size, arch.shape)  # before building anything
+    spec = check_spec(cfg, groups)
     with megatron_cpu_scope():  # construction allocates on "cuda" (no-op with CUDA)
-        chunks = gpt.build_model_chunks(arch, groups, params_dtype(cfg))
-        load_hf_weights(arch, chunks, hf_dir, groups)
+        chunks = build_chunks(arch, cfg, groups, spec)
+        load_hf_weights(arch, chunks, hf_dir, groups, scheme=spec)
     if groups.device.type == "cuda":  # built and loaded on the CPU (deterministic init)
         chunks = [chunk.cuda(groups.device) for chunk in chunks]
-    return arch, chunks
+    return arch, chunks, spec
+
+
+def build_chunks(arch: HFArch, cfg: PolicyConfig, groups: ParallelGroups, spec: str) -> list:
+    """Randomly initialised chunks of ``cfg``'s dtype, recomputation and CP exchange."""
+    return gpt.build_model_chunks(arch, groups, params_dtype(cfg), layer_spec=spec,
+                                  recompute=cfg.recompute.megatron_kwargs(),
+                                  cp_comm_type=cfg.parallel.cp_comm_type)
+
+
+def check_spec(cfg: PolicyConfig, groups: ParallelGroups) -> str:
+    """The layer spec ``cfg.layer_spec`` resolves to here, refusing what it cannot run."""
+    spec = resolve_layer_spec(cfg.layer_spec, cfg.key("layer_spec"))
+    if spec == "local" and groups.cp > 1 and groups.device.type != "cpu":
+        cfg.parallel.fail("context_parallel", f"context_parallel={groups.cp} on GPUs needs the "
+                          f"Transformer Engine spec (layer_spec te or auto with transformer-engine "
+                          f"installed): the local spec's CP attention runs on the CPU")
+    if "layernorm" in cfg.recompute.modules and cfg.recompute.granularity == "selective" \
+            and spec != "te":
+        cfg.recompute.fail("modules", "layernorm recomputation needs the Transformer Engine spec "
+                           "(layer_spec te)")
+    return spec
 
 
 class PolicyForward:
     """Log-probs of responses under this rank's chunks; every method is collective over the world."""
 
-    def __init__(self, arch: HFArch, cfg: PolicyConfig, groups: ParallelGroups, model: list):
+    def __init__(self, arch: HFArch, cfg: PolicyConfig, groups: ParallelGroups, model: list,
+                 layer_spec: str = "local"):
         self.arch = arch
         self.cfg = cfg
+        self.layer_spec = layer_spec  # resolved: te or local (also the parameter-name scheme)
         self.groups = groups
         self.model = model  # one chunk per virtual pipeline stage
 
@@ -122,7 +151,7 @@ class PolicyForward:
             data_iterator=iters if len(iters) > 1 else iters[0],
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=len(micro),
-            seq_length=max(mb.input_ids.shape[1] for mb in micro),
+            seq_length=max(mb.seq_len for mb in micro),  # before the CP split (Megatron divides)
             micro_batch_size=max(mb.input_ids.shape[0] for mb in micro),
             forward_only=forward_only,
             collect_non_loss_data=forward_only,

@@ -1,8 +1,9 @@
 """This rank's Megatron-Core ``GPTModel`` chunk(s) for an HF architecture.
 
-:func:`build_model_chunks` uses the local layer spec (``layers.py``: RMSNorm, SwiGLU, RoPE with the
-HF theta, GQA, qkv bias, q/k norm, tied or untied embeddings) and a last stage that returns hidden
-states: log-probs come from them and :func:`output_weight` without forming the logits.
+:func:`build_model_chunks` uses the Transformer Engine or the local layer spec (``layers.py``;
+RMSNorm, SwiGLU, RoPE with the HF theta, GQA, qkv bias, q/k norm, tied or untied embeddings) and a
+last stage that returns hidden states: log-probs come from them and :func:`output_weight` without
+forming the logits.
 """
 
 from __future__ import annotations
@@ -13,12 +14,23 @@ from megatron_rl.models.hf_config import HFArch
 from megatron_rl.models.parallel import ParallelGroups, chunk_ends
 
 
-def transformer_config(arch: HFArch, groups: ParallelGroups, params_dtype: torch.dtype):
-    """Megatron ``TransformerConfig`` equal to the HF architecture, for the CPU or GPU."""
+def transformer_config(arch: HFArch, groups: ParallelGroups, params_dtype: torch.dtype, *,
+                       layer_spec: str = "local", recompute: dict | None = None,
+                       cp_comm_type: str = "p2p"):
+    """Megatron ``TransformerConfig`` equal to the HF architecture, for the CPU or GPU.
+
+    ``layer_spec``: the resolved spec (te / local); ``recompute``: Megatron's recompute fields
+    (:meth:`RecomputeConfig.megatron_kwargs`); ``cp_comm_type``: TE's CP exchange (te only).
+    """
     from megatron.core.transformer import TransformerConfig
 
     bf16 = params_dtype == torch.bfloat16
+    cp_kwargs = {"context_parallel_size": groups.cp}
+    if groups.cp > 1 and layer_spec == "te":
+        cp_kwargs["cp_comm_type"] = cp_comm_type
     return TransformerConfig(
+        **cp_kwargs,
+        **(recompute or {}),
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -78,12 +90,16 @@ def _gpt_class():
     return HiddenStateGPTModel
 
 
-def build_model_chunks(arch: HFArch, groups: ParallelGroups, params_dtype: torch.dtype) -> list:
-    """This rank's model chunks (one per virtual pipeline stage), randomly initialised."""
+def build_model_chunks(arch: HFArch, groups: ParallelGroups, params_dtype: torch.dtype, *,
+                       layer_spec: str = "local", recompute: dict | None = None,
+                       cp_comm_type: str = "p2p") -> list:
+    """This rank's model chunks (one per virtual pipeline stage), randomly initialised, with the
+    resolved ``layer_spec`` (te / local); see :func:`transformer_config` for the rest."""
     from megatron_rl.models.layers import gpt_block_spec
 
     groups.check_current()
-    config = transformer_config(arch, groups, params_dtype)
+    config = transformer_config(arch, groups, params_dtype, layer_spec=layer_spec,
+                                recompute=recompute, cp_comm_type=cp_comm_type)
     cls = _gpt_class()
     chunks = []
     for vp in range(groups.vpp):
@@ -91,7 +107,8 @@ def build_model_chunks(arch: HFArch, groups: ParallelGroups, params_dtype: torch
         first, last = chunk_ends(groups, vp_stage)
         chunks.append(cls(
             config=config,
-            transformer_layer_spec=gpt_block_spec(config, arch.qk_norm, vp_stage, groups.pp_rank),
+            transformer_layer_spec=gpt_block_spec(config, arch.qk_norm, vp_stage, groups.pp_rank,
+                                                  layer_spec),
             vocab_size=arch.padded_vocab(groups.tp),
             max_sequence_length=arch.max_position_embeddings,
             pre_process=first,

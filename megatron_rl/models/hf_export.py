@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from megatron_rl.models.hf_config import HFArch
 from megatron_rl.models.hf_rules import EMBED, FINAL_NORM, LM_HEAD, hf_shape, layer_rules, unshard
+from megatron_rl.models.name_schemes import Scheme
 from megatron_rl.models.parallel import ParallelGroups
 
 
@@ -22,12 +23,13 @@ def _owner(arch: HFArch, groups: ParallelGroups, layer: int | None, last: bool) 
     return k % groups.pp, k // groups.pp
 
 
-def _export_plan(arch: HFArch, groups: ParallelGroups):
-    """Every HF tensor group in a fixed order: (rule, pp rank, vp stage, layer or None, suffix)."""
+def _export_plan(arch: HFArch, groups: ParallelGroups, scheme: Scheme):
+    """Every HF tensor group in a fixed order (the same for every scheme): (rule, pp rank, vp
+    stage, layer or None, Megatron name in ``scheme``)."""
     plan = [(EMBED, *_owner(arch, groups, None, False), None, "embedding.word_embeddings.weight")]
     for i in range(arch.num_layers):
         pp_rank, vp = _owner(arch, groups, i, False)
-        for suffix, rule in layer_rules(arch, i).items():
+        for suffix, rule in layer_rules(arch, i, scheme).items():
             plan.append((rule, pp_rank, vp, i, suffix))
     plan.append((FINAL_NORM, *_owner(arch, groups, None, True), None,
                  "decoder.final_layernorm.weight"))
@@ -47,19 +49,22 @@ def _local_param(chunk, layer: int | None, suffix: str) -> torch.Tensor:
 
 @torch.no_grad()
 def export_hf_weights(arch: HFArch, chunks: list, groups: ParallelGroups,
-                      value: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p
-                      ) -> Iterator[tuple[str, torch.Tensor | None]]:
+                      value: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p,
+                      scheme: Scheme = "local") -> Iterator[tuple[str, torch.Tensor | None]]:
     """Yield ``(HF name, full tensor)`` on global rank 0 and ``(HF name, None)`` elsewhere.
 
     Collective: every rank of the world must run the iterator to the end. Each tensor is gathered
-    over TP by its owning stage (data-parallel replica 0) and sent to global rank 0. ``value`` picks
-    what is exported per parameter (the weight; e.g. ``lambda p: p.main_grad`` for gradients).
+    over TP by its owning stage (data-parallel replica 0, context-parallel rank 0: the CP ranks
+    hold the same weights) and sent to global rank 0. ``value`` picks what is exported per
+    parameter (the weight; e.g. ``lambda p: p.main_grad`` for gradients). ``scheme``: the chunks'
+    parameter names (their layer spec's); the output is the same in either.
     """
     groups.check_current()
     dtype = value(next(chunks[0].parameters())).dtype
-    for rule, pp_rank, vp, layer, suffix in _export_plan(arch, groups):
-        owner_here = groups.pp_rank == pp_rank and groups.dp_rank == 0
-        owner_global = groups.pp_ranks[pp_rank] if groups.dp_rank == 0 else None
+    replica0 = groups.dp_rank == 0 and groups.cp_rank == 0
+    for rule, pp_rank, vp, layer, suffix in _export_plan(arch, groups, scheme):
+        owner_here = groups.pp_rank == pp_rank and replica0
+        owner_global = groups.pp_ranks[pp_rank] if replica0 else None
         tensors = None
         if owner_here:
             local = value(_local_param(chunks[vp], layer, suffix)).detach()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from megatron_rl.models.hf_config import HFArch, HFModelError
-from megatron_rl.models.hf_rules import chunk_rules, expected_hf_names, shard
+from megatron_rl.models.hf_rules import Rule, chunk_rules, expected_hf_names, shard
+from megatron_rl.models.name_schemes import Scheme
 from megatron_rl.models.parallel import ParallelGroups
 
 
@@ -50,9 +52,19 @@ class HFCheckpoint:
         return self._read(self.files[name], lambda f: f.get_tensor(name))
 
 
+def megatron_shards(arch: HFArch, rules: dict[str, Rule], ckpt: HFCheckpoint, tp: int,
+                    tp_rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """TP rank ``tp_rank``'s Megatron tensors (named as in ``rules``) from the HF checkpoint, one
+    at a time (only the HF tensors of the current one are held)."""
+    for name, rule in rules.items():
+        yield name, shard(arch, rule, [ckpt.get(n) for n in rule.hf], tp, tp_rank)
+
+
 @torch.no_grad()
-def load_hf_weights(arch: HFArch, chunks: list, hf_dir: str | Path, groups: ParallelGroups) -> None:
-    """Copy the HF checkpoint into this rank's (unwrapped) model chunks.
+def load_hf_weights(arch: HFArch, chunks: list, hf_dir: str | Path, groups: ParallelGroups,
+                    scheme: Scheme = "local") -> None:
+    """Copy the HF checkpoint into this rank's (unwrapped) model chunks, whose parameter names are
+    in ``scheme`` (their layer spec's).
 
     Raises if the checkpoint lacks a tensor the model needs or holds one we do not know how to map.
     """
@@ -65,14 +77,15 @@ def load_hf_weights(arch: HFArch, chunks: list, hf_dir: str | Path, groups: Para
         raise HFModelError(f"{hf_dir}: tensors with no Megatron counterpart for {arch.model_type}: "
                            f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
     for chunk in chunks:
-        rules = chunk_rules(arch, chunk)
-        params = dict(chunk.named_parameters())
+        rules = chunk_rules(arch, chunk, scheme)
+        # (Transformer Engine may register an empty placeholder where a layer has no bias.)
+        params = {n: p for n, p in chunk.named_parameters() if p.numel() or n in rules}
         unmapped = sorted(set(params) - set(rules))
         if unmapped:
-            raise RuntimeError(f"Megatron parameters with no HF mapping: {unmapped[:5]}")
-        for name, rule in rules.items():
-            full = [ckpt.get(n) for n in rule.hf]
-            piece = shard(arch, rule, full, groups.tp, groups.tp_rank)
+            raise RuntimeError(f"Megatron parameters with no HF mapping ({scheme} names): "
+                               f"{unmapped[:5]}")
+        for name, piece in megatron_shards(arch, rules, ckpt, groups.tp, groups.tp_rank):
+            rule = rules[name]
             param = params[name]
             if tuple(piece.shape) != tuple(param.shape):
                 raise HFModelError(f"{hf_dir}: {rule.hf} give shape {tuple(piece.shape)} for "

@@ -3,6 +3,10 @@
 Fused QKV laid out per query group, gate/up fused into ``linear_fc1``, the vocabulary padded with
 zero rows to a multiple of lcm(128, TP) (the policy keeps the padding out of the softmax).
 :func:`shard` gives one TP rank's piece of a Megatron parameter, :func:`unshard` inverts it.
+
+Megatron parameter names come in the scheme of the model's layer spec (``local`` or ``te``, see
+:mod:`megatron_rl.models.name_schemes`); a rule is the same tensor under either name, so the two
+specs load and export the same bytes.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import dataclasses
 import torch
 
 from megatron_rl.models.hf_config import HFArch
+from megatron_rl.models.name_schemes import Scheme, layer_param_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +32,8 @@ class Rule:
     kind: str
 
 
-def layer_rules(arch: HFArch, i: int) -> dict[str, Rule]:
+def layer_rules(arch: HFArch, i: int, scheme: Scheme = "local") -> dict[str, Rule]:
+    """Layer-relative Megatron parameter name (in ``scheme``) -> rule, for HF layer ``i``."""
     p = f"model.layers.{i}."
     a = p + "self_attn."
     rules = {
@@ -46,7 +52,7 @@ def layer_rules(arch: HFArch, i: int) -> dict[str, Rule]:
     if arch.qk_norm:
         rules["self_attention.q_layernorm.weight"] = Rule((a + "q_norm.weight",), "rep")
         rules["self_attention.k_layernorm.weight"] = Rule((a + "k_norm.weight",), "rep")
-    return rules
+    return {layer_param_name(name, scheme): rule for name, rule in rules.items()}
 
 
 EMBED = Rule(("model.embed_tokens.weight",), "vocab")
@@ -54,20 +60,30 @@ FINAL_NORM = Rule(("model.norm.weight",), "rep")
 LM_HEAD = Rule(("lm_head.weight",), "vocab")
 
 
-def chunk_rules(arch: HFArch, chunk) -> dict[str, Rule]:
-    """Megatron parameter name (in ``chunk``) -> rule, for every parameter of the chunk."""
+def model_rules(arch: HFArch, layers: list[int], *, first: bool, last: bool, output_layer: bool,
+                scheme: Scheme = "local") -> dict[str, Rule]:
+    """Megatron parameter name -> rule for a model chunk holding HF ``layers`` (in order), the
+    embedding if ``first``, the final norm if ``last`` and an output-layer weight if
+    ``output_layer`` (untied, or the last stage's synchronised copy of a tied embedding)."""
     rules: dict[str, Rule] = {}
-    if chunk.pre_process:
+    if first:
         rules["embedding.word_embeddings.weight"] = EMBED
-    for local, layer in enumerate(chunk.decoder.layers):
-        for suffix, rule in layer_rules(arch, layer.layer_number - 1).items():
+    for local, i in enumerate(layers):
+        for suffix, rule in layer_rules(arch, i, scheme).items():
             rules[f"decoder.layers.{local}.{suffix}"] = rule
-    if chunk.post_process:
+    if last:
         rules["decoder.final_layernorm.weight"] = FINAL_NORM
-        if chunk.output_layer.weight is not None:
-            # Tied embeddings at PP > 1: the last stage keeps a synchronised copy of the embedding.
+        if output_layer:
             rules["output_layer.weight"] = EMBED if arch.tie_embeddings else LM_HEAD
     return rules
+
+
+def chunk_rules(arch: HFArch, chunk, scheme: Scheme = "local") -> dict[str, Rule]:
+    """Megatron parameter name (in ``chunk``) -> rule, for every parameter of the chunk."""
+    return model_rules(arch, [layer.layer_number - 1 for layer in chunk.decoder.layers],
+                       first=chunk.pre_process, last=chunk.post_process,
+                       output_layer=chunk.post_process and chunk.output_layer.weight is not None,
+                       scheme=scheme)
 
 
 def qkv_per_group(arch: HFArch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -124,13 +140,9 @@ def unshard(arch: HFArch, rule: Rule, shards: list[torch.Tensor]) -> list[torch.
 
 
 def expected_hf_names(arch: HFArch) -> set[str]:
-    names = set(EMBED.hf) | set(FINAL_NORM.hf)
-    if not arch.tie_embeddings:
-        names |= set(LM_HEAD.hf)
-    for i in range(arch.num_layers):
-        for rule in layer_rules(arch, i).values():
-            names |= set(rule.hf)
-    return names
+    rules = model_rules(arch, list(range(arch.num_layers)), first=True, last=True,
+                        output_layer=not arch.tie_embeddings)
+    return {name for rule in rules.values() for name in rule.hf}
 
 
 def hf_shape(arch: HFArch, name: str) -> tuple[int, ...]:

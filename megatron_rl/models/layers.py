@@ -1,12 +1,26 @@
-"""Layer specs for the policy: Megatron's local (non-Transformer-Engine) GPT layer with an RMSNorm
-that supports sequence parallelism.
+"""Layer specs for the policy: Megatron's Transformer Engine spec, or its local spec with our norm
+and attention.
 
-Megatron's local spec uses ``WrappedTorchNorm``, which refuses ``sequence_parallel``. With sequence
-parallelism each TP rank normalises a slice of the sequence, so the norm weights' gradients are
-partial sums: :class:`RMSNorm` marks them ``sequence_parallel`` and Megatron's
-``finalize_model_grads`` all-reduces them over the TP group (as it does for Transformer Engine's
-norms). The q/k norms act on this rank's heads of the full sequence; Megatron reduces their
-gradients by name, so they are never marked.
+``te``: ``get_gpt_layer_with_transformer_engine_spec`` unchanged (fused norm + linear, TE's fused /
+flash attention with context parallelism, FP8-ready), with ``TENorm`` as the final norm. Needs
+CUDA and transformer-engine.
+
+``local``: ``get_gpt_layer_local_spec`` with two substitutions.
+
+* Norms: Megatron's local spec uses ``WrappedTorchNorm``, which refuses ``sequence_parallel``. With
+  sequence parallelism each TP rank normalises a slice of the sequence, so the norm weights'
+  gradients are partial sums: :class:`RMSNorm` marks them ``sequence_parallel`` and Megatron's
+  ``finalize_model_grads`` all-reduces them over the TP group (as it does for Transformer Engine's
+  norms). The q/k norms act on this rank's heads of the full sequence; Megatron reduces their
+  gradients by name, so they are never marked.
+* Core attention: :class:`~megatron_rl.models.attention.SDPAttention` (torch's fused
+  ``scaled_dot_product_attention``, no S x S scores; context parallelism on the CPU) instead of
+  ``DotProductAttention``.
+
+Both specs keep Megatron's ``sharded_state_dict_keys_map`` (the local spec's checkpoints store its
+norms under the TE names; loading one spec's checkpoint into the other is untested here, where TE
+cannot run); the parameter names differ only where TE folds the norms into the linears
+(:mod:`megatron_rl.models.name_schemes`).
 """
 
 from __future__ import annotations
@@ -14,6 +28,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+from megatron_rl.config.base import ConfigError
+
+LAYER_SPECS = ("auto", "te", "local")
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -25,20 +43,62 @@ class RMSNorm(torch.nn.RMSNorm):
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel and not for_qk))
 
 
-def gpt_block_spec(config, qk_norm: bool, vp_stage: int | None, pp_rank: int):
-    """Block spec for this pipeline stage / virtual stage: local layers with :class:`RMSNorm`."""
+def te_available() -> bool:
+    """Whether the Transformer Engine spec can run here: CUDA and an importable transformer_engine."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_layer_spec(name: str, key: str = "policy.layer_spec") -> str:
+    """``auto`` -> ``te`` where it can run, else ``local``; ``te`` where it cannot -> ConfigError."""
+    if name not in LAYER_SPECS:
+        raise ConfigError(key, f"must be one of {list(LAYER_SPECS)}, got {name!r}")
+    if name == "auto":
+        return "te" if te_available() else "local"
+    if name == "te" and not te_available():
+        why = "no CUDA device" if not torch.cuda.is_available() else "transformer_engine does " \
+            "not import"
+        raise ConfigError(key, f"te needs CUDA and transformer-engine ({why}); use local or auto")
+    return name
+
+
+def _local_layer(qk_norm: bool):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
-                                                             get_num_layers_to_build)
+
+    from megatron_rl.models.attention import SDPAttention
 
     layer = get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
     qk = ModuleSpec(module=RMSNorm, params={"for_qk": True}) if qk_norm else IdentityOp
     attn = layer.submodules.self_attention
     attn = dataclasses.replace(attn, submodules=dataclasses.replace(
-        attn.submodules, q_layernorm=qk, k_layernorm=qk))
-    layer = dataclasses.replace(layer, submodules=dataclasses.replace(
+        attn.submodules, q_layernorm=qk, k_layernorm=qk, core_attention=SDPAttention))
+    return dataclasses.replace(layer, submodules=dataclasses.replace(
         layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm, self_attention=attn))
+
+
+def gpt_block_spec(config, qk_norm: bool, vp_stage: int | None, pp_rank: int,
+                   layer_spec: str = "local"):
+    """Block spec for this pipeline stage / virtual stage with the resolved ``layer_spec``."""
+    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
+
+    if layer_spec == "te":
+        from megatron.core.extensions.transformer_engine import TENorm
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec)
+
+        layer, final_norm = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm), TENorm
+    elif layer_spec == "local":
+        layer, final_norm = _local_layer(qk_norm), RMSNorm
+    else:
+        raise ValueError(f"gpt_block_spec: layer_spec must be resolved to te or local, got "
+                         f"{layer_spec!r}")
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=final_norm)

@@ -68,6 +68,10 @@ class ParallelGroups:
     timeout_s: float
     generation: int
     sequence_parallel: bool = False
+    # Context parallelism: this rank's place in its CP group (ranks that share a sequence).
+    cp: int = 1
+    cp_rank: int = 0
+    cp_group: dist.ProcessGroup | None = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -86,7 +90,8 @@ class ParallelGroups:
         """Raise if Megatron's groups were rebuilt for another layout since these were made."""
         if self.generation != _GENERATION["value"]:
             raise RuntimeError(
-                f"these ParallelGroups (TP={self.tp}, PP={self.pp}, DP={self.dp}) are stale: "
+                f"these ParallelGroups (TP={self.tp}, PP={self.pp}, CP={self.cp}, DP={self.dp}) are "
+                f"stale: "
                 f"init_distributed was called again with layout {_GENERATION['layout']}")
 
 
@@ -96,13 +101,16 @@ def check_layout(cfg: ParallelConfig, world_size: int, shape: ModelShape | None 
     Raises :class:`ConfigError` naming the config key and the offending values.
     """
     cfg.validate()
-    tp, pp = cfg.tensor_parallel, cfg.pipeline_parallel
-    if tp * pp > world_size:
-        cfg.fail("tensor_parallel", f"tensor_parallel ({tp}) x pipeline_parallel ({pp}) = {tp * pp}"
-                 f" ranks needed but only {world_size} processes are running")
-    if world_size % (tp * pp):
-        cfg.fail("tensor_parallel", f"tensor_parallel ({tp}) x pipeline_parallel ({pp}) = {tp * pp}"
-                 f" does not divide the world size {world_size}")
+    tp, pp, cp = cfg.tensor_parallel, cfg.pipeline_parallel, cfg.context_parallel
+    what = f"tensor_parallel ({tp}) x pipeline_parallel ({pp})"
+    if cp > 1:
+        what += f" x context_parallel ({cp})"
+    if tp * pp * cp > world_size:
+        cfg.fail("tensor_parallel", f"{what} = {tp * pp * cp} ranks needed but only {world_size} "
+                 f"processes are running")
+    if world_size % (tp * pp * cp):
+        cfg.fail("tensor_parallel", f"{what} = {tp * pp * cp} does not divide the world size "
+                 f"{world_size}")
     if shape is not None:
         if shape.num_heads % tp:
             cfg.fail("tensor_parallel", f"num_attention_heads ({shape.num_heads}) is not divisible "
@@ -115,7 +123,7 @@ def check_layout(cfg: ParallelConfig, world_size: int, shape: ModelShape | None 
             name = "virtual_pipeline" if cfg.vpp > 1 else "pipeline_parallel"
             cfg.fail(name, f"num_hidden_layers ({shape.num_layers}) is not divisible by "
                      f"pipeline_parallel ({pp}) x virtual_pipeline ({cfg.vpp}) = {stages}")
-    return world_size // (tp * pp)
+    return world_size // (tp * pp * cp)
 
 
 def _world_from_env() -> tuple[int, int]:
@@ -167,7 +175,8 @@ def init_distributed(cfg: ParallelConfig, timeout_s: float | None = None,
     else:
         backend = dist.get_backend()
 
-    layout = (cfg.tensor_parallel, cfg.pipeline_parallel, cfg.virtual_pipeline)
+    layout = (cfg.tensor_parallel, cfg.pipeline_parallel, cfg.virtual_pipeline,
+              cfg.context_parallel)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     with megatron_cpu_scope():
@@ -175,12 +184,13 @@ def init_distributed(cfg: ParallelConfig, timeout_s: float | None = None,
             tensor_model_parallel_size=cfg.tensor_parallel,
             pipeline_model_parallel_size=cfg.pipeline_parallel,
             virtual_pipeline_model_parallel_size=cfg.virtual_pipeline if cfg.vpp > 1 else None,
+            context_parallel_size=cfg.context_parallel,
             distributed_timeout_minutes=max(1, int(-(-timeout_s // 60))),
         )
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     _GENERATION["value"] += 1
-    _GENERATION["layout"] = dict(zip(("tensor_parallel", "pipeline_parallel", "virtual_pipeline"),
-                                     layout))
+    _GENERATION["layout"] = dict(zip(("tensor_parallel", "pipeline_parallel", "virtual_pipeline",
+                                      "context_parallel"), layout))
     return ParallelGroups(
         world_size=world_size, rank=world_rank,
         tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, dp=dp, vpp=cfg.vpp,
@@ -197,6 +207,9 @@ def init_distributed(cfg: ParallelConfig, timeout_s: float | None = None,
         timeout_s=timeout_s,
         generation=_GENERATION["value"],
         sequence_parallel=cfg.sequence_parallel,
+        cp=cfg.context_parallel,
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_group=ps.get_context_parallel_group(),
     )
 
 

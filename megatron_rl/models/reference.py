@@ -18,11 +18,10 @@ from pathlib import Path
 import torch
 
 from megatron_rl.compat import megatron_cpu_scope
-from megatron_rl.models import gpt
 from megatron_rl.models.batch import SequenceBatch
 from megatron_rl.models.checkpoint import load_model_weights
 from megatron_rl.models.config import PolicyConfig
-from megatron_rl.models.forward import PolicyForward, build_from_hf, params_dtype
+from megatron_rl.models.forward import PolicyForward, build_chunks, build_from_hf, check_spec
 from megatron_rl.models.hf_config import HFArch
 from megatron_rl.models.parallel import ParallelGroups, rng_tracker_states, set_rng_tracker_states
 
@@ -45,8 +44,9 @@ class _ForkedRng:
 class ReferencePolicy(PolicyForward):
     """Frozen chunks; ``compute_logprobs`` is collective over the world, like the policy's."""
 
-    def __init__(self, arch: HFArch, cfg: PolicyConfig, groups: ParallelGroups, model: list):
-        super().__init__(arch, cfg, groups, model)
+    def __init__(self, arch: HFArch, cfg: PolicyConfig, groups: ParallelGroups, model: list,
+                 layer_spec: str = "local"):
+        super().__init__(arch, cfg, groups, model, layer_spec)
         for chunk in model:
             chunk.eval()
             chunk.requires_grad_(False)
@@ -61,20 +61,21 @@ class ReferencePolicy(PolicyForward):
     def from_hf(cls, hf_dir: str, cfg: PolicyConfig, groups: ParallelGroups) -> ReferencePolicy:
         """The weights of a Hugging Face checkpoint."""
         with _ForkedRng():
-            arch, chunks = build_from_hf(hf_dir, cfg, groups)
-        return cls(arch, cfg, groups, chunks)
+            arch, chunks, spec = build_from_hf(hf_dir, cfg, groups)
+        return cls(arch, cfg, groups, chunks, spec)
 
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path, arch: HFArch, cfg: PolicyConfig,
                         groups: ParallelGroups) -> ReferencePolicy:
         """The model weights of a policy checkpoint (``MegatronPolicy.save_checkpoint``), at any
         layout it was written at."""
+        spec = check_spec(cfg, groups)
         with _ForkedRng(), megatron_cpu_scope():
-            chunks = gpt.build_model_chunks(arch, groups, params_dtype(cfg))
+            chunks = build_chunks(arch, cfg, groups, spec)
         if groups.device.type == "cuda":
             chunks = [chunk.cuda(groups.device) for chunk in chunks]
         load_model_weights(chunks, groups, ckpt_dir)
-        return cls(arch, cfg, groups, chunks)
+        return cls(arch, cfg, groups, chunks, spec)
 
     def _place(self, device: torch.device) -> None:
         for chunk in self.model:

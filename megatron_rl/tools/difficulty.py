@@ -1,17 +1,11 @@
 """Data cleaning: tell hard questions from wrong labels, Skywork-style offline filtering.
 
-Sample ``k`` responses per prompt, score them against the label, and label the prompt:
+Sample ``k`` responses per prompt, score them against the label, and label the prompt solved /
+mixed / hard / unsolved / suspected_wrong_label with the difficulty rule,
+:func:`megatron_rl.data.labels.label_prompt` (the same rule watches a training run's prompts live,
+:mod:`megatron_rl.data.wrong_labels`).
 
-* ``solved``: k/k right;
-* ``suspected_wrong_label``: the samples mostly agree on one answer that differs from the ground
-  truth (at least ``agree_frac`` of all k samples, and more often than the label is matched). The
-  signature of a wrong label: mostly "wrong" with the same confident answer, rarely "right" by
-  coincidence. Checked before ``unsolved`` so a 0/k prompt with a consensus is flagged;
-* ``unsolved``: 0/k right, answers scattered;
-* ``hard``: rarely right (pass rate <= ``hard_max_pass_rate``), wrong answers scattered;
-* ``mixed``: everything else (a useful training prompt).
-
-The labeller (:func:`label_prompt`) is a pure function; :func:`annotate` runs an engine and the
+The labeller is a pure function; :func:`annotate` runs an engine and the
 reward manager over a dataset; :func:`cli_main` is ``megatron-rl data difficulty``. The annotated
 dataset is the input with ``extra_info.difficulty = {label, pass_rate, k, n_correct,
 majority_wrong_answer, majority_wrong_frac, distinct_wrong_answers}`` added to each labelled row;
@@ -31,8 +25,8 @@ from pathlib import Path
 from megatron_rl.config.base import ConfigBase
 from megatron_rl.data.config import DataConfig
 from megatron_rl.data.dataset import DataError, PromptRecord, load_prompts, read_rows
+from megatron_rl.data.labels import DifficultyLabel, canonical_answer, label_prompt  # noqa: F401  (re-exported)
 from megatron_rl.rewards.config import RewardConfig
-from megatron_rl.rewards.extract import normalize_ws
 from megatron_rl.rollout.config import RolloutConfig
 
 log = logging.getLogger(__name__)
@@ -56,6 +50,10 @@ class DifficultyConfig(ConfigBase):
     hard_max_pass_rate: float = 0.25
     # Share of all k samples that must give the same wrong answer to suspect the label.
     agree_frac: float = 0.5
+    # Suspect a label only where the policy's pass rate on the prompt's data source (over the whole
+    # dataset) is at least this: a policy that fails at a kind of problem is confidently wrong on
+    # it as often as a label is wrong (0: no such check).
+    min_source_pass_rate: float = 0.0
     # Suspected wrong labels listed in the summary for review (most confident first).
     summary_examples: int = 50
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -74,55 +72,7 @@ class DifficultyConfig(ConfigBase):
         self.check_range("summary_examples", lo=0)
         self.check_range("hard_max_pass_rate", lo=0.0, hi=1.0)
         self.check_range("agree_frac", lo=0.0, hi=1.0, lo_open=True)
-
-
-@dataclass
-class DifficultyLabel:
-    label: str
-    pass_rate: float
-    k: int
-    n_correct: int
-    majority_wrong_answer: str | None
-    majority_wrong_frac: float
-    distinct_wrong_answers: int
-
-
-def canonical_answer(answer: str | None) -> str | None:
-    """A vote key: whitespace and ``$`` removed, plain numbers in one form (``4.0`` == ``4``)."""
-    if answer is None:
-        return None
-    a = normalize_ws(answer).strip("$")
-    if not a:
-        return None
-    try:
-        x = float(a.replace("{,}", "").replace(",", ""))
-    except ValueError:
-        return a
-    return repr(int(x)) if x.is_integer() and abs(x) < 1e15 else repr(x)
-
-
-def label_prompt(correct: list[bool], answers: list[str | None], *, hard_max_pass_rate: float = 0.25,
-                 agree_frac: float = 0.5) -> DifficultyLabel:
-    """Label one prompt from its k samples' correctness and extracted answers (see module doc)."""
-    if len(correct) != len(answers) or not correct:
-        raise ValueError("need one answer per sample and at least one sample")
-    k = len(correct)
-    n = sum(bool(c) for c in correct)
-    wrong = Counter(a for c, raw in zip(correct, answers) if not c
-                    for a in [canonical_answer(raw)] if a is not None)
-    top, top_n = (wrong.most_common(1)[0] if wrong else (None, 0))
-    frac = top_n / k
-    if n == k:
-        label = "solved"
-    elif frac >= agree_frac and top_n > n:
-        label = "suspected_wrong_label"
-    elif n == 0:
-        label = "unsolved"
-    elif n / k <= hard_max_pass_rate:
-        label = "hard"
-    else:
-        label = "mixed"
-    return DifficultyLabel(label, n / k, k, n, top, frac, len(wrong))
+        self.check_range("min_source_pass_rate", lo=0.0, hi=1.0)
 
 
 def annotate(engine, records: list[PromptRecord], reward_mgr, cfg: DifficultyConfig
@@ -133,20 +83,27 @@ def annotate(engine, records: list[PromptRecord], reward_mgr, cfg: DifficultyCon
 
     spec = SamplingSpec(n=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                         max_tokens=cfg.max_tokens, seed=cfg.seed)
-    labels: list[DifficultyLabel] = []
+    samples: list[tuple[list[bool], list]] = []  # per record: correct, extracted answers
     for start in range(0, len(records), cfg.batch_prompts):
         chunk = records[start: start + cfg.batch_prompts]
         groups = engine.generate([r.prompt_ids for r in chunk], spec)
         items = [reward_item(r, c.text) for r, group in zip(chunk, groups) for c in group]
         scores, _, details = reward_mgr.score(items, return_details=True)
-        for j, group in enumerate(groups):
+        for j in range(len(groups)):
             lo, hi = j * cfg.k, (j + 1) * cfg.k
-            labels.append(label_prompt([s >= cfg.correct_reward for s in scores[lo:hi]],
-                                       [d["extracted"] for d in details[lo:hi]],
-                                       hard_max_pass_rate=cfg.hard_max_pass_rate,
-                                       agree_frac=cfg.agree_frac))
-        log.info("difficulty: %d/%d prompts labelled", len(labels), len(records))
-    return labels
+            samples.append(([s >= cfg.correct_reward for s in scores[lo:hi]],
+                            [d["extracted"] for d in details[lo:hi]]))
+        log.info("difficulty: %d/%d prompts sampled", len(samples), len(records))
+    # The policy's pass rate per data source, over the whole dataset: the rule's competence check.
+    right, total = Counter(), Counter()
+    for rec, (correct, _) in zip(records, samples):
+        right[rec.data_source] += sum(correct)
+        total[rec.data_source] += len(correct)
+    return [label_prompt(correct, answers, ground_truth=rec.ground_truth,
+                         hard_max_pass_rate=cfg.hard_max_pass_rate, agree_frac=cfg.agree_frac,
+                         source_pass_rate=right[rec.data_source] / total[rec.data_source],
+                         min_source_pass_rate=cfg.min_source_pass_rate)
+            for rec, (correct, answers) in zip(records, samples)]
 
 
 def summarize(records: list[PromptRecord], labels: list[DifficultyLabel], cfg: DifficultyConfig,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_rl.config.base import ConfigBase
+from megatron_rl.tracking.rollouts import RolloutDumpConfig
 
 
 @dataclass(kw_only=True)
@@ -17,8 +18,13 @@ class TrackingConfig(ConfigBase):
     wandb_entity: str = ""
     # Console progress bar and per-step summary line.
     console: bool = True
+    # Show libraries' INFO logs (vLLM, transformers, Megatron, ...) and Python warnings on the
+    # console too (`--verbose`); they always go to RUN_DIR/logs/run.log.
+    console_libraries: bool = False
     # Also write metrics to RUN_DIR/metrics.jsonl (always on for the demo's report).
     jsonl: bool = True
+    # Rollout dumps: every GRPO step's samples as parquet under RUN_DIR/rollouts/.
+    rollouts: RolloutDumpConfig = field(default_factory=RolloutDumpConfig)
 
     def validate(self) -> None:
         super().validate()

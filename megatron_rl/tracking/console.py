@@ -14,7 +14,7 @@ log = logging.getLogger("megatron_rl")
 STEP_LINE = [("acc", "rollout/accuracy"), ("acc_nt", "rollout/accuracy_non_truncated"),
              ("trunc", "rollout/truncation_ratio"), ("len", "rollout/response_length_mean"),
              ("H", "actor/entropy"), ("α", "actor/entropy_coef"), ("gnorm", "grad_norm"),
-             ("eval", "eval/accuracy"), ("s", "timing/step")]
+             ("eval", "eval/accuracy"), ("suspect", "data/suspected_wrong_labels"), ("s", "timing/step")]
 
 
 def step_line(metrics: dict) -> str:

@@ -70,6 +70,14 @@ class Tracker:
             self._wandb.log({k: v for k, v in row.items() if k not in ("step", "time") and v is not None},
                             step=step)
 
+    def log_table(self, key: str, columns: list[str], rows: list[list], step: int) -> None:
+        """A W&B table at ``step`` (e.g. a few rollout samples); nothing without W&B."""
+        if self._wandb is None or not rows:
+            return
+        import wandb
+
+        self._wandb.log({key: wandb.Table(columns=columns, data=rows)}, step=step)
+
     def summary(self, values: dict) -> None:
         if self._wandb is not None:
             for k, v in _clean(values).items():

@@ -79,6 +79,8 @@ class Group:
     dispatch_version: int  # the engine's weights when it was dispatched
     completions: list[Completion] | None = None
     rewards: list[float] | None = None
+    # The verifier's verdict per completion ({"status", "extracted", ...}): the rollout dumps' answers.
+    outcomes: list[dict] | None = None
 
     @property
     def tag(self) -> tuple[int, int]:
@@ -338,6 +340,7 @@ class RolloutScheduler:
         k = 0
         for g in groups:
             g.rewards = scores[k: k + len(g.completions)]
+            g.outcomes = details[k: k + len(g.completions)]
             k += len(g.completions)
 
     def _has_variance(self, g: Group) -> bool:
@@ -364,7 +367,8 @@ class RolloutScheduler:
         gids = torch.tensor([i for i, g in enumerate(groups) for _ in g.completions], dtype=torch.long)
         return Rollout(records=records, completions=flat, group_ids=gids,
                        rewards=torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32),
-                       truncated=torch.tensor([c.truncated for c in flat], dtype=torch.bool))
+                       truncated=torch.tensor([c.truncated for c in flat], dtype=torch.bool),
+                       outcomes=[o for g in groups for o in (g.outcomes or [{}] * len(g.completions))])
 
     def _log_versions(self, step: int, global_step: int, version: int, taken: list[Group]) -> None:
         if self.sample_log is None:

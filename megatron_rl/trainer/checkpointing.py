@@ -9,6 +9,7 @@ naming the file. Saves are atomic (see :mod:`megatron_rl.trainer.state`).
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from collections.abc import Callable
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
     from megatron_rl.trainer.async_rollout import RolloutScheduler
 
 log = logging.getLogger("megatron_rl")
+
+# The live wrong-label monitor's state, beside trainer_state.json (driver only).
+MONITOR_FILE = "wrong_labels_state.json"
 
 
 def start_point(ctx: Context, stage_name: str) -> Path | None:
@@ -130,7 +134,7 @@ def _load(ctx: Context, ckpt: Path, stage_name: str, resume: bool) -> TrainerSta
                               f"{detail[-1] if detail else ''}); move it aside to start from the "
                               f"previous one") from exc
     if not resume:  # a new stage: counters restart, the run-wide ones carry over
-        state = TrainerState(stage=stage_name, global_step=state.global_step,
+        state = TrainerState(stage=stage_name, global_step=state.global_step, grpo_step=state.grpo_step,
                              weight_version=state.weight_version, data_loader=state.data_loader,
                              entropy_controller=state.entropy_controller, grpo_seconds=state.grpo_seconds)
     return state
@@ -151,6 +155,10 @@ def begin_stage(ctx: Context, stage: StageConfig) -> tuple[TrainerState, PromptL
         loader = PromptLoader(ctx.train_records, cfg.rollout.rollout_batch_size, seed=cfg.trainer.seed)
         if state.data_loader:
             loader.load_state_dict(state.data_loader)
+        monitor = ctx.observer.monitor if ctx.observer is not None else None
+        saved = ckpt / MONITOR_FILE if ckpt is not None else None
+        if monitor is not None and saved is not None and saved.exists():
+            monitor.load_state_dict(json.loads(saved.read_text()))
     if state.entropy_controller:
         ctx.entropy_ctl.load_state_dict(state.entropy_controller)
     restore_rng(state.rng)
@@ -177,6 +185,8 @@ def write_checkpoint(ctx: Context, ckpt: Path, state: TrainerState, loader: Prom
         state.data_loader = loader.state_dict() if loader is not None else state.data_loader
         state.entropy_controller = ctx.entropy_ctl.state_dict()
         state.rng = capture_rng()
+        if ctx.observer is not None and ctx.observer.monitor is not None:
+            (staging / MONITOR_FILE).write_text(json.dumps(ctx.observer.monitor.state_dict()))
         write_manifest(staging)
         RunDir.write_state(staging, state)  # last: the staging directory is complete
         commit(staging, ckpt)

@@ -52,6 +52,9 @@ class SFTConfig(ConfigBase):
     RL with every sample positive)."""
 
     enabled: bool = False
+    # Problems with reference solutions (extra_info.solution) to imitate; empty: data.train_path.
+    # (A real recipe's cold-start data is its own set; the demo keeps its RL prompts out of it.)
+    data_path: str = ""
     # Upper bound on SFT optimizer steps.
     max_steps: int = 2000
     # Sequences per SFT step.

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from megatron_rl.rollout import RolloutEngine
     from megatron_rl.sync.base import WeightSync
     from megatron_rl.tracking import Tracker
+    from megatron_rl.trainer.observe import StepObserver
     from megatron_rl.trainer.schema import RunConfig
 
 log = logging.getLogger("megatron_rl")
@@ -50,7 +51,11 @@ class Context:
     reward_mgr: RewardManager | None = None
     tracker: Tracker | None = None
     train_records: list[PromptRecord] = field(default_factory=list)
+    # The SFT cold start's problems (sft.data_path; the training prompts when it is empty).
+    sft_records: list[PromptRecord] = field(default_factory=list)
     eval_records: list[PromptRecord] = field(default_factory=list)
+    # Rollout dumps, W&B sample table and live wrong-label list of every GRPO step.
+    observer: StepObserver | None = None
     # Every rank (the receivers' side joins the collective transports).
     weight_sync: WeightSync | None = None
     # Every rank, when algo.kl.enabled: built at the first stage (checkpointing.ensure_reference).
@@ -93,11 +98,11 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as exc:  # no tokenizer files, or ones transformers cannot read
         raise HFModelError(f"{model_path}: cannot load the tokenizer ({exc})") from None
-    train_records, eval_records, problem = [], [], None
+    train_records, sft_records, eval_records, problem = [], [], [], None
     if groups.rank == 0:  # the data first: a bad file fails before any model or engine is built
         try:
             run.recover()  # what a save killed mid-way left behind
-            train_records, eval_records = load_run_data(cfg, tokenizer)
+            train_records, sft_records, eval_records = load_run_data(cfg, tokenizer)
         except InputError as exc:
             problem = exc
     if groups.world_size > 1:  # every rank stops with the driver's error, none waits for it
@@ -110,7 +115,7 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
     policy = MegatronPolicy.from_hf(model_path, cfg.policy, groups)
     ctx = Context(cfg=cfg, run=run, groups=groups, policy=policy, tokenizer=tokenizer, model_path=model_path,
                   entropy_ctl=EntropyController(cfg.algo.entropy), stop=stop,
-                  train_records=train_records, eval_records=eval_records)
+                  train_records=train_records, sft_records=sft_records, eval_records=eval_records)
     if ctx.is_driver:
         ctx.engines = make_engines(model_path, cfg.rollout, seed=cfg.trainer.seed,
                                    max_model_len=cfg.engine_context_len())
@@ -120,23 +125,31 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
         ctx.tracker = Tracker(cfg.tracking, run.root, cfg.to_dict(), wandb_run_id=run_state.get("wandb_run_id"))
         if ctx.tracker.wandb_run_id and run_state.get("wandb_run_id") != ctx.tracker.wandb_run_id:
             run.write_run_state({**run_state, "wandb_run_id": ctx.tracker.wandb_run_id})
+        ctx.observer = build_observer(cfg, run.root, ctx.tracker)
     ctx.weight_sync = build_weight_sync(cfg.sync, ctx.engines, sender=ctx.is_driver)
     ctx.weight_sync.connect()
     return ctx
 
 
-def load_run_data(cfg: RunConfig, tokenizer) -> tuple[list[PromptRecord], list[PromptRecord]]:
-    """The training prompts and the held-out set (``eval.path``, its first ``eval.size``; never
-    filtered by difficulty labels). Prompts longer than ``rollout.max_prompt_len`` (what the
-    engines are sized for) or a stricter ``data.max_prompt_len`` are dropped and counted; a
-    :class:`DataError` names the file when one cannot serve the run."""
+def load_run_data(cfg: RunConfig, tokenizer
+                  ) -> tuple[list[PromptRecord], list[PromptRecord], list[PromptRecord]]:
+    """Training, SFT cold-start (sft.data_path; the training prompts when it is empty) and held-out
+    prompts (``eval.path``, its first ``eval.size``; never filtered by difficulty labels). Prompts
+    longer than ``rollout.max_prompt_len`` (what the engines are sized for) or a stricter
+    ``data.max_prompt_len`` are dropped and counted; a :class:`DataError` names the file when one
+    cannot serve the run."""
     from megatron_rl.data import DataConfig, DataError, load_prompts
 
     max_len = min(n for n in (cfg.rollout.max_prompt_len, cfg.data.max_prompt_len) if n > 0)
     train, stats = load_prompts(cfg.data.train_path, tokenizer, cfg.data, max_prompt_len=max_len)
     log.info("train data: %s", stats)
-    if cfg.sft.enabled and len(train) <= cfg.sft.eval_size:
-        raise DataError(f"{cfg.data.train_path}: {len(train)} usable prompts, but the SFT cold start "
+    sft, sft_path = train, cfg.data.train_path
+    if cfg.sft.enabled and cfg.sft.data_path:
+        sft, stats = load_prompts(cfg.sft.data_path, tokenizer, cfg.data, max_prompt_len=max_len)
+        sft_path = cfg.sft.data_path
+        log.info("sft data: %s", stats)
+    if cfg.sft.enabled and len(sft) <= cfg.sft.eval_size:
+        raise DataError(f"{sft_path}: {len(sft)} usable prompts, but the SFT cold start "
                         f"holds out sft.eval_size={cfg.sft.eval_size} of them for validation and "
                         f"trains on the rest: lower sft.eval_size or add data")
     held_out: list[PromptRecord] = []
@@ -146,4 +159,15 @@ def load_run_data(cfg: RunConfig, tokenizer) -> tuple[list[PromptRecord], list[P
         held_out, _ = load_prompts(cfg.eval.path, tokenizer, eval_cfg, max_prompt_len=max_len)
         if cfg.eval.size:
             held_out = held_out[: cfg.eval.size]
-    return train, held_out
+    return train, sft, held_out
+
+
+def build_observer(cfg: RunConfig, root, tracker: Tracker | None) -> StepObserver:
+    from megatron_rl.data.wrong_labels import WrongLabelMonitor
+    from megatron_rl.tracking.rollouts import RolloutDumper
+    from megatron_rl.trainer.observe import StepObserver
+
+    dump = cfg.tracking.rollouts
+    return StepObserver(root, RolloutDumper(dump, root) if dump.enabled else None,
+                        WrongLabelMonitor(cfg.data.wrong_labels) if cfg.data.wrong_labels.enabled else None,
+                        tracker, dump.wandb_samples)

@@ -12,7 +12,7 @@ import torch
 
 from megatron_rl.algo import AlgoConfig
 from megatron_rl.common.metrics import reduce_metrics
-from megatron_rl.models.batch import SequenceBatch
+from megatron_rl.models.batch import PerSequence, SequenceBatch
 from megatron_rl.tracking.console import StageProgress
 from megatron_rl.trainer import phases
 from megatron_rl.trainer.async_rollout import RolloutScheduler, open_rollouts
@@ -32,7 +32,7 @@ log = logging.getLogger("megatron_rl")
 
 
 class StepTimer:
-    """Wall-clock split of a step: gen / reward / logprob / update / sync, and the rest as 'other'."""
+    """Wall-clock split of a step: gen / reward / logprob / update / sync / dump, the rest as 'other'."""
 
     def __init__(self):
         self.t0 = time.perf_counter()
@@ -60,6 +60,8 @@ def train_stage(ctx: Context, stage: StageConfig) -> None:
     try:
         with StageProgress(stage.name, stage.max_steps, state.step, enabled=ctx.is_driver and cfg.tracking.console) as bar:
             run_steps(ctx, stage, state, loader, rollouts, bar)
+        if ctx.is_driver and ctx.observer is not None:
+            ctx.observer.flush()
         if ctx.stop_agreed() and state.step < stage.max_steps:
             if not RunDir.is_complete(ctx.run.step_dir(stage.name, state.step)):  # not just saved periodically
                 save_checkpoint(ctx, stage, state, loader, rollouts)
@@ -89,23 +91,33 @@ def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: Pro
                 sample = (f"{ro.completions[0].text[:300]!r} (ground truth "
                           f"{ro.records[0].ground_truth!r})")
         batch = ctx.broadcast(batch)
+        per_sample = None
         if batch is not None:
             with timer("logprob"):
                 metrics.update(add_logprobs(ctx.policy, ctx.reference, batch, cfg.algo,
                                             cfg.rollout.temperature, state.weight_version))
             with timer("update"):
-                metrics.update(update_policy(
+                m, per_sample = update_policy(
                     ctx.policy, batch, cfg.algo, cfg.rollout.temperature, alpha=ctx.entropy_ctl.alpha,
                     max_response_len=stage.max_response_len,
-                    seed=phases.sampling_seed(cfg.trainer.seed, state.global_step)))
+                    seed=phases.sampling_seed(cfg.trainer.seed, state.global_step))
+                metrics.update(m)
             with timer("sync"):
                 metrics.update(rollouts.before_sync() if rollouts is not None else {})
                 state.weight_version += 1
                 metrics.update(sync_weights(ctx, state.weight_version))
         note = "" if batch is not None else no_update_reason(metrics)
         watch.record(batch is not None, metrics, sample)
+        if ctx.is_driver and ctx.observer is not None and ro is not None:
+            with timer("dump"):
+                metrics.update(ctx.observer.observe(
+                    ro, per_sample, correct_reward=cfg.algo.correct_reward, grpo_step=state.grpo_step + 1,
+                    global_step=state.global_step + 1, stage=stage.name, stage_step=state.step + 1,
+                    max_response_len=stage.max_response_len))
         state.step += 1
         state.global_step += 1
+        state.grpo_step += 1
+        metrics["grpo_step"] = state.grpo_step
         metrics.update(ctx.entropy_ctl.update(metrics["actor/entropy"]) if "actor/entropy" in metrics else {})
         metrics["actor/entropy_coef"] = ctx.entropy_ctl.alpha
         metrics.update(timer.metrics())
@@ -173,22 +185,31 @@ def logp_gap_by_staleness(logp: list, rollout_logp: list, versions: list, versio
 
 
 def update_policy(policy: MegatronPolicy, batch: SequenceBatch, a: AlgoConfig, temperature: float, *,
-                  alpha: float, max_response_len: int, seed: int) -> dict:
+                  alpha: float, max_response_len: int, seed: int) -> tuple[dict, dict[str, torch.Tensor]]:
     """``n_sgd`` passes over the batch, ``mini_batches`` optimizer steps per pass, each pass in a
     fresh shuffled order (``phases.optimizer_steps`` with the step's ``seed``); metrics averaged over
     the steps (``_min`` / ``_max`` keys: the extremes). ``actor/first_step_ratio_{min,max}`` are the
     first optimizer step's: 1 (to rounding) whenever the old log-probs were recomputed, since
-    nothing has changed the policy yet."""
+    nothing has changed the policy yet. Also returns per-sample values of the first pass's forwards
+    (:data:`phases.SAMPLE_STATS`, ``[B]`` each, batch order) for the dumps."""
     with_entropy = True  # entropy is always measured (metrics, entropy control); its grad only if used
+    schedule = phases.optimizer_steps(batch, a, seed)
+    first_pass = len(schedule) // a.n_sgd
+    per_sample = {k: torch.full((len(batch),), float("nan")) for k in phases.SAMPLE_STATS}
     steps = []
-    for mb in phases.optimizer_steps(batch, a, seed):
+    for k, (index, mb) in enumerate(schedule):
         loss_fn = phases.make_loss_fn(mb, a, alpha=alpha, max_response_len=max_response_len)
-        steps.append(policy.train_step(mb, loss_fn, temperature=temperature, with_entropy=with_entropy))
+        ps = PerSequence(phases.sample_stats, phases.SAMPLE_STATS, len(mb)) if k < first_pass else None
+        steps.append(policy.train_step(mb, loss_fn, temperature=temperature, with_entropy=with_entropy,
+                                       per_sequence=ps))
+        if ps is not None:
+            for name in phases.SAMPLE_STATS:
+                per_sample[name][index] = ps.values[name]
     metrics = reduce_metrics(steps, mean=True)
     if "actor/ratio_min" in steps[0]:
         metrics["actor/first_step_ratio_min"] = steps[0]["actor/ratio_min"]
         metrics["actor/first_step_ratio_max"] = steps[0]["actor/ratio_max"]
-    return metrics
+    return metrics, per_sample
 
 
 def plateaued(state: TrainerState, stage: StageConfig, accuracy: float | None) -> bool:

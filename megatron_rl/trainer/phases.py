@@ -30,6 +30,11 @@ class Rollout:
     group_ids: torch.Tensor  # [B*n] index of the prompt each completion answers
     rewards: torch.Tensor | None = None
     truncated: torch.Tensor | None = None
+    # The verifier's verdict per completion: {"status", "extracted", ...} (score fills it).
+    outcomes: list[dict] | None = None
+    # make_batch fills: every completion's advantage, and which ones the batch holds (in order).
+    advantages: torch.Tensor | None = None
+    batch_index: list[int] | None = None
 
 
 def sampling_seed(run_seed: int, global_step: int) -> int:
@@ -62,7 +67,7 @@ def response_tokens(batch: SequenceBatch) -> float:
 
 def score(reward_mgr: RewardManager, ro: Rollout) -> dict:
     items = [reward_item(ro.records[g], c.text) for c, g in zip(ro.completions, ro.group_ids.tolist())]
-    scores, metrics = reward_mgr.score(items)
+    scores, metrics, ro.outcomes = reward_mgr.score(items, return_details=True)
     ro.rewards = torch.tensor(scores, dtype=torch.float32)
     return metrics
 
@@ -88,6 +93,7 @@ def make_batch(ro: Rollout, algo: AlgoConfig) -> tuple[SequenceBatch | None, dic
     adv, m_adv = compute_advantages(ro.rewards, ro.group_ids, ro.truncated, algo)
     keep, m_filter = filter_groups(ro.rewards, ro.group_ids, algo)  # all kept when filtering is off
     idx = keep.nonzero().flatten().tolist()
+    ro.advantages, ro.batch_index = adv, idx
     metrics = {**m_adv, **m_filter, "batch/sequences": float(len(idx))}
     if not idx:
         return None, metrics
@@ -137,13 +143,15 @@ def kl_shaped_advantages(batch: SequenceBatch, algo: AlgoConfig) -> dict:
     return {**metrics, **m_adv}
 
 
-def optimizer_steps(batch: SequenceBatch, algo: AlgoConfig, seed: int) -> list[SequenceBatch]:
-    """The mini-batch of every optimizer step: ``algo.n_sgd`` passes of ``algo.mini_batches`` steps,
-    each pass a fresh seeded shuffle (``algo.sgd_schedule``); strictly on-policy, the whole batch."""
+def optimizer_steps(batch: SequenceBatch, algo: AlgoConfig, seed: int
+                    ) -> list[tuple[torch.Tensor, SequenceBatch]]:
+    """``(indices into batch, mini-batch)`` of every optimizer step: ``algo.n_sgd`` passes of
+    ``algo.mini_batches`` steps, each pass a fresh seeded shuffle (``algo.sgd_schedule``); strictly
+    on-policy, the whole batch."""
     steps = min(algo.mini_batches, len(batch))  # zero-variance filtering may leave fewer sequences
     if steps != algo.mini_batches:
         algo = dataclasses.replace(algo, mini_batches=steps)
-    return [batch.select(index) for index in sgd_schedule(len(batch), algo, seed=seed)]
+    return [(index, batch.select(index)) for index in sgd_schedule(len(batch), algo, seed=seed)]
 
 
 def make_loss_fn(batch: SequenceBatch, algo: AlgoConfig, *, alpha: float, max_response_len: int | None):
@@ -161,3 +169,26 @@ def make_loss_fn(batch: SequenceBatch, algo: AlgoConfig, *, alpha: float, max_re
             token_denominator=n_tokens, seq_denominator=n_seqs, max_response_len=max_response_len)
 
     return loss_fn
+
+
+# What the training forward reports per sample for the rollout dumps (see sample_stats).
+SAMPLE_STATS = ("entropy_mean", "entropy_max", "train_logp_mean", "logp_gap_mean", "logp_gap_max")
+
+
+def sample_stats(mb: MicroBatch) -> dict[str, torch.Tensor]:
+    """Per sequence of a training micro-batch: token entropy (mean, max), the trainer's sampled-token
+    log-prob before the update (the recomputed old log-probs when there are, else this forward's),
+    and its gap to the engine's (mean and max of |trainer - engine|)."""
+    m = mb.mask
+    n = m.sum(1).clamp(min=1)
+    ref = mb.fields.get("old_logp", mb.logp).detach()
+    gap = (ref - mb.fields["rollout_logp"]).abs().masked_fill(~m, 0.0)
+    out = {"train_logp_mean": (ref.masked_fill(~m, 0.0)).sum(1) / n,
+           "logp_gap_mean": gap.sum(1) / n, "logp_gap_max": gap.max(1).values}
+    if mb.entropy is not None:
+        ent = mb.entropy.detach()
+        out["entropy_mean"] = ent.masked_fill(~m, 0.0).sum(1) / n
+        out["entropy_max"] = ent.masked_fill(~m, float("-inf")).max(1).values
+    else:
+        out["entropy_mean"] = out["entropy_max"] = torch.full_like(n, float("nan"), dtype=torch.float32)
+    return out

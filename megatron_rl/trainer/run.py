@@ -71,7 +71,7 @@ def control(ctx: Context) -> None:
 
 
 def write_summary(ctx: Context) -> dict:
-    from megatron_rl.tracking.report import plot_run
+    from megatron_rl.analysis import analyze
 
     rs = ctx.run.read_run_state()
     ev = rs.get("eval", {})
@@ -98,7 +98,11 @@ def write_summary(ctx: Context) -> dict:
             "grpo_minus_control_points": None if end is None else 100.0 * (end - c["control/accuracy"]),
         }
     (ctx.run.root / "summary.json").write_text(json.dumps(summary, indent=1))
-    plot_run(ctx.run.root / "metrics.jsonl", ctx.run.root / "report.png")
+    try:
+        facts = analyze(ctx.run.root)
+        log.info("run report: %s", facts["report"])
+    except Exception:  # the run's results stand; `megatron-rl analyze RUN_DIR` can retry
+        log.exception("writing the run report failed")
     ctx.tracker.summary({k: v for k, v in summary.items() if isinstance(v, (int, float))})
     return summary
 

@@ -72,8 +72,8 @@ def sft_loop(ctx: Context, name: str, *, lr: float, stop_accuracy: float, max_se
     cfg, s = ctx.cfg, ctx.cfg.sft
     loader = val = None
     if ctx.is_driver:
-        val = ctx.train_records[-s.eval_size:]
-        loader = PromptLoader(ctx.train_records[: -s.eval_size], s.batch_size, seed=cfg.trainer.seed + 1)
+        val = ctx.sft_records[-s.eval_size:]
+        loader = PromptLoader(ctx.sft_records[: -s.eval_size], s.batch_size, seed=cfg.trainer.seed + 1)
     ctx.policy.set_lr(lr)
     state = TrainerState(stage=name)
     t0 = time.perf_counter()

@@ -7,7 +7,7 @@
       sft/final/                        cold-start result
       <stage>/checkpoints/step_000010/  {policy/, trainer_state.json}   (resumable, newest kept)
       <stage>/final/                    {policy/, hf/, trainer_state.json} (next stage starts here)
-      metrics.jsonl, summary.json, report.png
+      metrics.jsonl, summary.json, rollouts/, logs/, report/index.html
 
 Saves are atomic: a checkpoint is written into a hidden staging directory next to it
 (``.step_000010.partial``), ``manifest.json`` (every file's size) and ``trainer_state.json`` last, and
@@ -54,6 +54,8 @@ class TrainerState:
     step: int = 0
     # Steps finished over the whole run (W&B's step axis).
     global_step: int = 0
+    # GRPO steps finished over all stages (SFT steps not counted): the run report's x axis.
+    grpo_step: int = 0
     # Version of the weights the engines hold (bumped by every sync).
     weight_version: int = 0
     data_loader: dict = field(default_factory=dict)

@@ -3,7 +3,8 @@ reference that ``rollout.async.max_staleness=0`` must reproduce exactly. ``pytho
 tests/e2e/sync_loop_reference.py train ...`` is ``megatron-rl train ...`` with this loop.
 
 Each step: next prompts -> generate (seed of the step) -> score -> make_batch -> old log-probs
-(skipped strictly on-policy) -> update -> sync, in turn; nothing overlaps.
+(skipped strictly on-policy) -> update -> sync -> observe (rollout dumps and the wrong-label monitor,
+added after acf3eec; the async scheduler does not touch it), in turn; nothing overlaps.
 """
 
 from __future__ import annotations
@@ -41,20 +42,30 @@ def run_steps(ctx, stage, state, loader, rollouts, bar) -> None:
             batch, m = phases.make_batch(ro, cfg.algo)
             metrics.update(m)
         batch = ctx.broadcast(batch)
+        per_sample = None
         if batch is not None:
             with timer("logprob"):
                 metrics.update(add_old_logprobs(ctx.policy, batch, cfg.algo, cfg.rollout.temperature))
             with timer("update"):
-                metrics.update(grpo.update_policy(ctx.policy, batch, cfg.algo, cfg.rollout.temperature,
-                                                  alpha=ctx.entropy_ctl.alpha,
-                                                  max_response_len=stage.max_response_len,
-                                                  seed=phases.sampling_seed(cfg.trainer.seed,
-                                                                            state.global_step)))
+                m, per_sample = grpo.update_policy(ctx.policy, batch, cfg.algo, cfg.rollout.temperature,
+                                                   alpha=ctx.entropy_ctl.alpha,
+                                                   max_response_len=stage.max_response_len,
+                                                   seed=phases.sampling_seed(cfg.trainer.seed,
+                                                                             state.global_step))
+                metrics.update(m)
             with timer("sync"):
                 state.weight_version += 1
                 metrics.update(sync_weights(ctx, state.weight_version))
+        if ctx.is_driver and ctx.observer is not None:
+            with timer("dump"):
+                metrics.update(ctx.observer.observe(
+                    ro, per_sample, correct_reward=cfg.algo.correct_reward, grpo_step=state.grpo_step + 1,
+                    global_step=state.global_step + 1, stage=stage.name, stage_step=state.step + 1,
+                    max_response_len=stage.max_response_len))
         state.step += 1
         state.global_step += 1
+        state.grpo_step += 1
+        metrics["grpo_step"] = state.grpo_step
         metrics.update(ctx.entropy_ctl.update(metrics["actor/entropy"]) if "actor/entropy" in metrics else {})
         metrics["actor/entropy_coef"] = ctx.entropy_ctl.alpha
         metrics.update(timer.metrics())

@@ -54,6 +54,7 @@ def finished_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("e2e") / "run"
     proc = _train(run_dir, *MINI)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (run_dir.parent / "console.txt").write_text(proc.stdout + proc.stderr)
     return run_dir
 
 
@@ -66,7 +67,7 @@ def test_all_stages_finish_with_summary_report_and_wandb(finished_run):
     assert rs["finished_stages"] == ["stage1_12", "stage2_16", "stage3_24"] and rs["sft_done"]
     summary = json.loads((finished_run / "summary.json").read_text())
     assert 0.0 <= summary["accuracy_after_grpo"] <= 1.0
-    assert (finished_run / "report.png").stat().st_size > 10_000
+    assert (finished_run / "report" / "index.html").stat().st_size > 10_000
     assert list((finished_run / "wandb").glob("offline-run-*")), "no offline W&B run"
     for stage in rs["finished_stages"]:
         final = finished_run / stage / "final"
@@ -113,6 +114,54 @@ def test_finished_run_is_not_retrained(finished_run):
     proc = _train(finished_run, *MINI)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(_rows(finished_run)) == before  # every stage already finished: nothing re-runs
+
+
+def test_analyze_dumps_of_a_real_run_agree_with_its_metrics(finished_run):
+    """Every GRPO step's samples are in RUN_DIR/rollouts/; per-sample values agree with the step's
+    logged metrics, computed elsewhere (rollout metrics, the loss's token-mean entropy)."""
+    import pandas as pd
+
+    from megatron_rl.tracking.rollouts import read_rollouts, step_path
+
+    rows = [r for r in _rows(finished_run) if r["stage"] != "sft"]
+    df = read_rollouts(finished_run)
+    assert sorted(df["grpo_step"].unique()) == [int(r["grpo_step"]) for r in rows] == list(range(1, 8))
+    for r in rows:
+        assert step_path(finished_run, r["step"]).exists()
+        d = df[df["global_step"] == r["step"]]
+        assert len(d) == 8 * 8 and (d["stage"] == r["stage"]).all()
+        assert d["correct"].mean() == pytest.approx(r["rollout/accuracy"])
+        assert d["truncated"].mean() == pytest.approx(r["rollout/truncation_ratio"])
+        assert d["response_len"].mean() == pytest.approx(r["rollout/response_length_mean"])
+        assert d["in_batch"].sum() == r["batch/sequences"]
+        assert d["outcome"].notna().all() and d.loc[d["correct"], "answer"].notna().all()  # the verifier's verdicts
+        b = d[d["in_batch"]]
+        if len(b):
+            # The loss's entropy is the token mean over the batch: the per-sample means, weighted.
+            ent = (b["entropy_mean"] * b["response_len"]).sum() / b["response_len"].sum()
+            assert ent == pytest.approx(r["actor/entropy"], rel=1e-4)
+            # |mean(trainer - engine)| <= mean|trainer - engine|, and on-policy the gap is small.
+            assert ((b["train_logp_mean"] - b["rollout_logp_mean"]).abs() <= b["logp_gap_mean"] + 1e-6).all()
+            assert (b["logp_gap_mean"] < 0.05).all() and (b["logp_gap_max"] >= b["logp_gap_mean"]).all()
+            assert ((b["advantage"] > 0) == b["correct"]).all()
+        assert d.loc[~d["in_batch"], "entropy_mean"].isna().all()
+    # The live wrong-label list after the last step, and the report from the end of the run.
+    wl = json.loads((finished_run / "rollouts" / "wrong_labels.json").read_text())
+    assert wl["step"] == 7 and wl["prompts_seen"] == df["prompt_uid"].nunique()
+    page = (finished_run / "report" / "index.html").read_text()
+    assert 'data-figure="signature"' in page and (finished_run / "report" / "plotly.min.js").exists()
+    # A few samples per step as a W&B table in the offline run.
+    tables = list((finished_run / "wandb").glob("offline-run-*/files/media/table/rollouts/samples_*.table.json"))
+    assert len(tables) >= 7, tables
+    assert isinstance(pd.DataFrame(json.loads(tables[0].read_text())["data"]), pd.DataFrame)
+
+
+def test_console_shows_progress_and_libraries_go_to_the_log(finished_run):
+    console = (finished_run.parent / "console.txt").read_text()
+    log = (finished_run / "logs" / "run.log").read_text()
+    assert "[stage1_12 3/3]" in console  # one summary line per step
+    assert "INFO vllm" in log  # vLLM's chatter is in the file ...
+    assert "prefix cache" not in console.lower() and "INFO vllm" not in console  # ... and not on screen
 
 
 # The miniature without its stages and cold start, for runs that bring their own.

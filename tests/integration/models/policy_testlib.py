@@ -45,6 +45,15 @@ def write_hf_model(out_dir: str | Path, arch: str, *, tie: bool = False, vocab: 
     return out
 
 
+def write_hf_models(root: str | Path) -> Path:
+    """``root``/llama (untied), qwen2 (tied, qkv bias), qwen3 (q/k norms), 2 KV heads each."""
+    root = Path(root)
+    write_hf_model(root / "llama", "llama", tie=False, kv_heads=2)
+    write_hf_model(root / "qwen2", "qwen2", tie=True, kv_heads=2)
+    write_hf_model(root / "qwen3", "qwen3", tie=False, kv_heads=2)
+    return root
+
+
 def make_batch(lengths: list[int], prompt_lens: list[int], vocab: int = VOCAB, seed: int = 0):
     """A SequenceBatch with an advantage per response token and a weight per sequence."""
     from megatron_rl.models import SequenceBatch
@@ -75,6 +84,15 @@ def make_loss_fn(batch, denominator: float | None = None):
                       "logp_min": valid.min().item(), "logp_max": valid.max().item()}
 
     return loss_fn
+
+
+def seq_means(mb) -> dict[str, torch.Tensor]:
+    """Per sequence of a micro-batch view: mean log-prob and entropy of its response tokens (a
+    ``PerSequence`` function for the training forward)."""
+    m = mb.mask
+    n = m.sum(1).clamp(min=1)
+    return {"logp": mb.logp.masked_fill(~m, 0.0).sum(1) / n,
+            "ent": mb.entropy.masked_fill(~m, 0.0).sum(1) / n}
 
 
 def hf_reference(hf_dir: str | Path, batch, temperature: float, grads: bool = True):
@@ -108,3 +126,42 @@ def hf_reference(hf_dir: str | Path, batch, temperature: float, grads: bool = Tr
 def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x.double() - y.double()).abs().max()) if x.numel() else 0.0
                for x, y in zip(a, b))
+
+
+def torchrun(script: str | Path, *args: str, nproc: int = 4, timeout: float = 900,
+             env: dict | None = None) -> None:
+    """Run ``script args`` under ``torchrun --nproc-per-node nproc`` on a free port with this
+    checkout on PYTHONPATH; fail with the end of its output if it fails."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = str(Path(__file__).resolve().parents[3])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(port), str(script), *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+
+
+def run_cases(cases: dict, only: set[str] | None) -> None:
+    """Worker side: run the named cases (all, or those in ``only``), print each one's time on rank
+    0, then end the process group."""
+    import time
+
+    import torch.distributed as dist
+
+    for name, fn in cases.items():
+        if only and name not in only:
+            continue
+        t0 = time.time()
+        fn()
+        if dist.get_rank() == 0:
+            print(f"case {name}: {time.time() - t0:.1f}s", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint  # noqa: F401 - CheckpointException
 
 sys.path.insert(0, str(Path(__file__).parent))
-from policy_testlib import make_batch, make_loss_fn  # noqa: E402
+from policy_testlib import make_batch, make_loss_fn, run_cases, seq_means  # noqa: E402
 
 from megatron_rl.compat import apply_cpu_shim  # noqa: E402
 from megatron_rl.models import OptimConfig, ParallelConfig, PolicyConfig, init_distributed  # noqa: E402
+from megatron_rl.models.batch import PerSequence  # noqa: E402
 from megatron_rl.models.policy import MegatronPolicy  # noqa: E402
 
 TEMPERATURE = 0.7
@@ -55,8 +55,9 @@ def run_layout(out, hf_dir, case, grads=True, sparse=False, **layout):
     policy = _policy(hf_dir, **layout)
     batch = make_batch(SPARSE_LENGTHS, SPARSE_PROMPTS) if sparse else make_batch(LENGTHS, PROMPTS)
     logps, ents = policy.compute_logprobs(batch, TEMPERATURE)
-    metrics = policy.train_step(batch, make_loss_fn(batch), TEMPERATURE, with_entropy=True)
-    result = {"logps": logps, "ents": ents, "metrics": metrics,
+    per_seq = PerSequence(seq_means, ("logp", "ent"), len(batch))
+    metrics = policy.train_step(batch, make_loss_fn(batch), TEMPERATURE, with_entropy=True, per_sequence=per_seq)
+    result = {"logps": logps, "ents": ents, "metrics": metrics, "per_seq": per_seq.values,
               "grads": _export(policy, grads=True) if grads else None,
               "weights": _export(policy)}
     _save(out, case, result)
@@ -200,15 +201,7 @@ def main() -> None:
         "resume_exact": lambda: run_resume_exact(out, llama, out / "ckpt"),
         "bad_layouts": lambda: run_bad_layouts(out, llama),
     }
-    for name, fn in cases.items():
-        if only and name not in only:
-            continue
-        t0 = time.time()
-        fn()
-        if torch.distributed.get_rank() == 0:
-            print(f"case {name}: {time.time() - t0:.1f}s", flush=True)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    run_cases(cases, only)
 
 
 if __name__ == "__main__":

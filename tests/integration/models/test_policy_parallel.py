@@ -13,16 +13,13 @@ vocabulary 61 (padded: exercises the padding mask); fp32. Tolerances:
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from policy_testlib import hf_reference, make_batch, max_abs_diff, write_hf_model
+from policy_testlib import hf_reference, make_batch, max_abs_diff, torchrun, write_hf_models
 
 pytestmark = pytest.mark.slow
 
@@ -32,29 +29,13 @@ LAYOUTS = ["tp2", "tp2_sp", "pp2", "tp2pp2", "pp2_vpp2", "tp2_distopt", "tied_tp
 ARCH = {"tied_tp2pp2": "qwen2", "qknorm_tp2pp2": "qwen3"}  # others: llama
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("policy_parallel")
-    hf = root / "hf"
-    write_hf_model(hf / "llama", "llama", tie=False, kv_heads=2)
-    write_hf_model(hf / "qwen2", "qwen2", tie=True, kv_heads=2)
-    write_hf_model(hf / "qwen3", "qwen3", tie=False, kv_heads=2)
+    hf = write_hf_models(root / "hf")
     out = root / "out"
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           str(HERE / "policy_worker.py"), str(out), str(hf)]
-    repo = str(HERE.parents[2])
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    torchrun(HERE / "policy_worker.py", out, hf)
     worker = _worker_module()
     batch = make_batch(worker.LENGTHS, worker.PROMPTS)
     sparse = make_batch(worker.SPARSE_LENGTHS, worker.SPARSE_PROMPTS)
@@ -92,6 +73,13 @@ def test_layout_matches_transformers(case, run):
     valid = [t for t in ref_logps if t.numel()]
     assert metrics["logp_min"] == pytest.approx(min(float(t.min()) for t in valid), abs=2e-5)
     assert metrics["logp_max"] == pytest.approx(max(float(t.max()) for t in valid), abs=2e-5)
+    # Per-sequence values from the training forward, gathered onto rank 0 (the rollout dumps').
+    for i, (lp, ent) in enumerate(zip(ref_logps, ref_ents)):
+        if lp.numel():
+            assert float(got["per_seq"]["logp"][i]) == pytest.approx(float(lp.double().mean()), abs=2e-5)
+            assert float(got["per_seq"]["ent"][i]) == pytest.approx(float(ent.double().mean()), abs=2e-5)
+        else:  # no response tokens: no micro-batch held it
+            assert torch.isnan(got["per_seq"]["logp"][i]) and torch.isnan(got["per_seq"]["ent"][i])
     ref_norm = float(torch.sqrt(sum((g ** 2).sum() for g in ref_grads.values())))
     assert metrics["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
     if got["grads"] is not None:  # not exported with the distributed optimizer

@@ -164,3 +164,32 @@ def test_megatron_clip_grads_on_cpu_matches_float64(tmp_path):
     assert coeff < 1.0  # clipping really happened
     for got, g in zip(after, before):
         torch.testing.assert_close(got.double(), g * coeff, rtol=1e-6, atol=1e-7)
+
+
+def test_context_parallel_rotary_slice_runs_on_the_cpu():
+    """Megatron's per-CP-rank rotary slice makes a pinned index tensor and moves it with .cuda():
+    it fails without the shim and, with it, picks chunks (r, 2·CP-1-r) as on a GPU."""
+    out = _run("""
+        import torch
+        from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+        class Group:  # the CP group's size and this rank's place in it
+            def size(self): return 2
+            def rank(self): return 1
+
+        emb = torch.arange(8.0)[:, None, None, None]  # positions 0..7, 4 chunks of 2
+        try:
+            rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, Group())
+            print("before: ok")
+        except (RuntimeError, AssertionError):
+            print("before: fails")
+        from megatron_rl.compat import apply_cpu_shim
+        apply_cpu_shim()
+        for fn in (rope_utils.get_pos_emb_on_this_cp_rank,
+                   rotary_pos_embedding.get_pos_emb_on_this_cp_rank):
+            print("after:", fn(emb, 0, Group()).flatten().tolist())
+        print("modes left:", torch._C._len_torch_function_stack())
+    """)
+    assert "before: fails" in out
+    assert out.count("after: [2.0, 3.0, 4.0, 5.0]") == 2  # rank 1 of 2: chunks 1 and 2
+    assert "modes left: 0" in out

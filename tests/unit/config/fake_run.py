@@ -87,7 +87,8 @@ class BigramPolicy:
         self.log.add("logprobs", temperature, len(batch))
         return [lp for lp, _ in out], ([e for _, e in out] if with_entropy else None)
 
-    def train_step(self, batch: SequenceBatch, loss_fn, temperature: float, with_entropy: bool):
+    def train_step(self, batch: SequenceBatch, loss_fn, temperature: float, with_entropy: bool,
+                   per_sequence=None):
         width = max(batch.response_lens)
         rows = [_sequence_logp(self.theta, s, p, temperature)
                 for s, p in zip(batch.sequences, batch.prompt_lens)]
@@ -98,6 +99,9 @@ class BigramPolicy:
                         fields=pad_token_fields(batch, list(range(len(batch))), width),
                         index=torch.arange(len(batch)))
         loss, metrics = loss_fn(mb)
+        if per_sequence is not None:  # what the rollout dumps get from the training forward
+            per_sequence.add(mb)
+            per_sequence.gather()
         self.theta.grad = None
         loss.backward()
         grad_norm = float(self.theta.grad.norm())

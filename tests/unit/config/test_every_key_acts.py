@@ -101,12 +101,13 @@ def run_fake(cfg: RunConfig, tmp: Path, *, drop_version: bool = False, stale: bo
     policy.lr = cfg.policy.optim.lr  # as the Megatron policy's optimizer starts
     kind = fake_run.BigramStream if cfg.rollout.async_.needs_streaming else fake_run.BigramEngine
     engine = kind(policy.theta, tok.eos_token_id, log, tok, drop_version=drop_version, stale=stale)
-    train, held_out = load_run_data(cfg, tok)
+    train, sft, held_out = load_run_data(cfg, tok)
     root = Path(cfg.trainer.run_dir)
     ctx = Context(cfg=cfg, run=RunDir(root), groups=fake_run.Groups(), policy=policy, tokenizer=tok,
                   model_path=str(model_dir), entropy_ctl=EntropyController(cfg.algo.entropy),
                   stop=stop, engine=engine, engines=[engine],
-                  reward_mgr=RewardManager(cfg.reward), train_records=train, eval_records=held_out,
+                  reward_mgr=RewardManager(cfg.reward), train_records=train, sft_records=sft,
+                  eval_records=held_out,
                   tracker=Tracker(cfg.tracking, root, cfg.to_dict()))
     if cfg.algo.kl.enabled:  # a frozen copy of the start (the real one is Megatron: integration)
         ctx.reference = fake_run.BigramPolicy(len(tok), fake_run.Log(), seed=1)
@@ -198,11 +199,11 @@ def observe_data(cfg: RunConfig, tmp: Path):
     from megatron_rl.trainer.context import load_run_data
 
     try:
-        train, held_out = load_run_data(cfg, build_char_tokenizer())
+        train, sft, held_out = load_run_data(cfg, build_char_tokenizer())
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
     return [(r.prompt_ids, r.prompt_text, r.ground_truth, r.style, r.data_source, r.extra)
-            for r in train + held_out]
+            for r in train + sft + held_out]
 
 
 REWARD_ITEMS = [
@@ -574,16 +575,16 @@ def _config(overrides: list[str], tmp: Path, extra: dict) -> RunConfig:
 
 @pytest.fixture(scope="module")
 def walk_dir(tmp_path_factory):
-    """One data set and model directory for the whole walk, and no report plot (a second of
-    matplotlib per run that no key drives)."""
-    from megatron_rl.tracking import report
+    """One data set and model directory for the whole walk, and no run report (seconds per run
+    that no key drives)."""
+    import megatron_rl.analysis as analysis
 
-    plot_run, report.plot_run = report.plot_run, lambda *a, **k: None
+    analyze, analysis.analyze = analysis.analyze, lambda root: {"report": None}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: more threads only spin
     yield tmp_path_factory.mktemp("walk")
     torch.set_num_threads(threads)
-    report.plot_run = plot_run
+    analysis.analyze = analyze
 
 
 _SEEN: dict = {}  # (observer, overrides) -> observation: the unchanged side is shared by probes

@@ -108,7 +108,14 @@ ZERO_OK = {
     "eval.size", "eval.every", "stages.0.plateau.patience", "stages.0.plateau.min_delta",
     "stages.0.lr", "algo.correct_reward", "algo.wrong_reward",
     # tools/difficulty
-    "seed", "summary_examples", "hard_max_pass_rate", "correct_reward",
+    "seed", "summary_examples", "hard_max_pass_rate", "correct_reward", "min_source_pass_rate",
+    # the live wrong-label rule: window 0 = every sample; pass rates 0 = stuck at 0 / no competence
+    # check; 0 examples / points = none drawn
+    "data.wrong_labels.window", "data.wrong_labels.hard_max_pass_rate",
+    "data.wrong_labels.suspect_max_pass_rate", "data.wrong_labels.min_source_pass_rate",
+    "data.wrong_labels.hard_examples", "data.wrong_labels.points_max",
+    "tracking.rollouts.max_gb", "tracking.rollouts.wandb_samples",  # 0: no cap, no W&B table
+    "synthetic.sft_size", "synthetic.wrong_label_fraction", "synthetic.hard_fraction",  # 0: none
 }
 # Rewards may be any number (wrong < correct is checked); top_k = -1 disables top-k.
 NEGATIVE_OK = {"algo.correct_reward", "algo.wrong_reward", "rollout.top_k", "top_k", "correct_reward"}

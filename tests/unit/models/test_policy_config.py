@@ -30,6 +30,11 @@ def _cfg(**parallel):
     ({"tensor_parallel": 2}, 3, "policy.parallel.tensor_parallel",
      r"does not divide the world size 3"),
     ({"sequence_parallel": True}, 1, "policy.parallel.sequence_parallel", "needs tensor_parallel"),
+    ({"tensor_parallel": 2, "context_parallel": 2}, 2, "policy.parallel.tensor_parallel",
+     r"x context_parallel \(2\) = 4 ranks needed but only 2 processes"),
+    ({"context_parallel": 4}, 6, "policy.parallel.tensor_parallel",
+     r"context_parallel \(4\) = 4 does not divide the world size 6"),
+    ({"context_parallel": 0}, 1, "policy.parallel.context_parallel", ">= 1"),
 ])
 def test_impossible_layouts_name_key_and_values(parallel, world, key, text):
     cfg = _cfg(**parallel)
@@ -41,6 +46,46 @@ def test_impossible_layouts_name_key_and_values(parallel, world, key, text):
 def test_possible_layout_gives_data_parallel_size():
     cfg = _cfg(tensor_parallel=2, pipeline_parallel=2, virtual_pipeline=2)
     assert check_layout(cfg.parallel, 8, SHAPE) == 2
+    cfg = _cfg(tensor_parallel=2, context_parallel=2)  # CP ranks share a batch shard
+    assert check_layout(cfg.parallel, 8, SHAPE) == 2
+    assert cfg.parallel.model_parallel == 4
+
+
+def test_recompute_options_map_to_megatron_and_are_checked():
+    from megatron_rl.models.config import RecomputeConfig
+
+    assert RecomputeConfig().megatron_kwargs() == {}
+    full = RecomputeConfig(granularity="full", method="block", num_layers=2)
+    assert full.megatron_kwargs() == {"recompute_granularity": "full", "recompute_method": "block",
+                                      "recompute_num_layers": 2}
+    sel = RecomputeConfig(granularity="selective", modules=["mlp", "core_attn"])
+    assert sel.megatron_kwargs() == {"recompute_granularity": "selective",
+                                     "recompute_modules": ["mlp", "core_attn"]}
+    bad = [({"granularity": "selective", "modules": ["moe"]}, "policy.recompute.modules",
+            "unknown module"),
+           ({"granularity": "selective", "modules": []}, "policy.recompute.modules",
+            "at least one"),
+           ({"granularity": "full", "num_layers": 0}, "policy.recompute.num_layers", ">= 1"),
+           ({"granularity": "sometimes"}, "policy.recompute.granularity", "must be one of")]
+    for recompute, key, text in bad:
+        with pytest.raises(ConfigError, match=text) as err:
+            PolicyConfig.from_dict({"recompute": recompute}, prefix="policy").validate()
+        assert err.value.key == key
+
+
+def test_layer_spec_resolves_where_it_can_run():
+    import torch
+
+    from megatron_rl.models.layers import resolve_layer_spec, te_available
+
+    assert resolve_layer_spec("local") == "local"
+    assert resolve_layer_spec("auto") == ("te" if te_available() else "local")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="te needs CUDA and transformer-engine") as err:
+            resolve_layer_spec("te")
+        assert err.value.key == "policy.layer_spec"
+    with pytest.raises(ConfigError, match="policy.layer_spec"):
+        PolicyConfig.from_dict({"layer_spec": "apex"}, prefix="policy")
 
 
 def test_optim_and_policy_values_are_checked():

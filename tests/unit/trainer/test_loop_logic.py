@@ -36,17 +36,22 @@ class _RecordingPolicy:
     def __init__(self):
         self.steps = []
 
-    def train_step(self, mb, loss_fn, temperature, with_entropy):
+    def train_step(self, mb, loss_fn, temperature, with_entropy, per_sequence=None):
         assert [t[0].item() for t in mb.token_fields["x"]] == mb.seq_fields["advantages"].tolist()
         self.steps.append([s[0] for s in mb.sequences])
+        if per_sequence is not None:  # a per-sample value: the sequence's own number
+            per_sequence.values = {k: torch.tensor([float(s[0]) for s in mb.sequences])
+                                   for k in per_sequence.names}
         return {"actor/ratio_min": 1.0, "actor/ratio_max": 1.0, "actor/pg_loss": 0.0}
 
 
 def test_update_passes_follow_the_seeded_shuffling_schedule():
     a = AlgoConfig(n_sgd=2, mini_batches=3)
     policy = _RecordingPolicy()
-    update_policy(policy, _batch(7), a, 1.0, alpha=0.0, max_response_len=8, seed=5)
+    _, per_sample = update_policy(policy, _batch(7), a, 1.0, alpha=0.0, max_response_len=8, seed=5)
     assert [len(s) for s in policy.steps] == [3, 2, 2, 3, 2, 2]
+    # the first pass's per-sample values come back in batch order, whatever the shuffle
+    assert per_sample["entropy_mean"].tolist() == [float(i) for i in range(7)]
     first, second = sum(policy.steps[:3], []), sum(policy.steps[3:], [])
     assert sorted(first) == sorted(second) == list(range(7))  # each pass uses every sample once
     assert first != second  # ... in a fresh order (the same order each pass was the bug)

@@ -1,0 +1,76 @@
+"""`megatron-rl analyze`: the facts it prints, GRPO steps as the x axis, an offline page."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from megatron_rl.analysis.figures import FIGURES
+from megatron_rl.analysis.run_data import load_run
+from megatron_rl.analysis.report import cli_main
+from tests.unit.analysis.synthetic_run import make_run
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run")
+    sim = make_run(root, sft_steps=30)
+    # A resumed run re-logs the steps after its last checkpoint: the newer rows must win, once.
+    rows = [json.loads(x) for x in (root / "metrics.jsonl").read_text().splitlines()]
+    redo = [r for r in rows if r.get("grpo_step") in (23, 24)]
+    with (root / "metrics.jsonl").open("a") as f:
+        for r in redo:
+            f.write(json.dumps(dict(r, **{"timing/step": r["timing/step"] + 1.0})) + "\n")
+    return root, sim, rows, redo
+
+
+def test_analyze_cli_last_line_and_facts(run, capsys):
+    root, sim, rows, redo = run
+    assert cli_main([str(root)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    facts = json.loads(last)
+    assert {"report", "dump_overhead", "wrong_label_recall", "wrong_label_precision"} <= set(facts)
+    assert facts["report"] == str(root / "report" / "index.html")
+    # Dump overhead from the logged timings, by hand: newest row per step.
+    newest = {r["step"]: r for r in rows if "grpo_step" in r}
+    for r in redo:
+        newest[r["step"]] = dict(r, **{"timing/step": r["timing/step"] + 1.0})
+    expect = sum(r["timing/dump"] for r in newest.values()) / sum(r["timing/step"] for r in newest.values())
+    assert facts["dump_overhead"] == pytest.approx(expect, rel=1e-9)
+    # Recall / precision against what the simulation planted, by hand from the live list.
+    listed = {e["uid"] for e in json.loads((root / "rollouts" / "wrong_labels.json").read_text())["suspects"]}
+    planted = {u for u, k in sim["kind"].items() if k == "wrong_label"}
+    assert facts["wrong_label_recall"] == pytest.approx(len(listed & planted) / len(planted))
+    assert facts["wrong_label_precision"] == pytest.approx(len(listed & planted) / len(listed))
+    assert facts["planted_hard_on_list"] == 0 and facts["grpo_steps"] == sim["grpo_steps"] == 24
+    assert json.loads((root / "report" / "analysis.json").read_text()) == facts
+
+
+def test_analyze_x_axis_counts_grpo_steps(run):
+    root, *_ = run
+    data = load_run(root)
+    assert data.sft_steps == 30
+    assert data.metrics["grpo_step"].tolist() == list(range(1, 25))  # not the global step (31..54)
+    assert [(s.name, s.first, s.last, s.max_response_len) for s in data.stages] == \
+           [("stage1_12", 1, 10, 12), ("stage2_16", 11, 18, 16), ("stage3_24", 19, 24, 24)]
+    x, _ = data.series("rollout/accuracy")
+    assert x[0] == 1 and x[-1] == 24
+
+
+def test_analyze_page_is_self_contained(run):
+    root, *_ = run
+    cli_main([str(root)])
+    page = (root / "report" / "index.html").read_text()
+    assert (root / "report" / "plotly.min.js").stat().st_size > 1_000_000
+    assert re.findall(r'<script src="([^"]+)"', page) == ["plotly.min.js"]  # no CDN
+    assert "cdn.plot.ly" not in page
+    for fid, *_ in FIGURES:
+        assert f'data-figure="{fid}"' in page
+    assert page.count("<tr>") > 20  # summary + wrong-label tables
+
+
+def test_analyze_missing_run_dir(tmp_path, capsys):
+    assert cli_main([str(tmp_path / "nope")]) == 2
+    assert "no such run directory" in capsys.readouterr().out

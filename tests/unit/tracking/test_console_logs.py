@@ -1,0 +1,66 @@
+"""The console shows our lines and libraries' errors; libraries' INFO and warnings go to RUN_DIR/logs/."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+
+from megatron_rl.tracking.logs import hidden_warnings, route_logs, set_console_verbose
+
+
+@pytest.fixture
+def console():
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level, logging.getLogger("vllm").handlers[:],
+             logging.getLogger("vllm").propagate, logging.getLogger("vllm").level)
+    tf = logging.getLogger("transformers")
+    saved_tf = (tf.handlers[:], tf.propagate)
+    buf = io.StringIO()
+    root.handlers = [logging.StreamHandler(buf)]
+    # vLLM's own set-up: a console handler on "vllm" that does not propagate.
+    vllm = logging.getLogger("vllm")
+    vllm.handlers = [logging.StreamHandler(buf)]
+    vllm.propagate = False
+    yield buf
+    for h in root.handlers:
+        if isinstance(h, logging.FileHandler):
+            h.close()
+    root.handlers, root.level = saved[0], saved[1]
+    vllm.handlers, vllm.propagate, vllm.level = saved[2], saved[3], saved[4]
+    tf.handlers, tf.propagate = saved_tf
+    logging.captureWarnings(False)
+
+
+def test_library_chatter_goes_to_the_run_log(tmp_path, console):
+    path = route_logs(tmp_path, verbose=False)
+    route_logs(tmp_path)  # idempotent: one file handler
+    assert sum(isinstance(h, logging.FileHandler) for h in logging.getLogger().handlers) == 1
+    logging.getLogger("vllm.v1.worker").info("Successfully reset prefix cache")
+    logging.getLogger("megatron_rl").info("[stage1 3/120] acc=0.41")
+    logging.getLogger("transformers.tokenization").warning("a real warning")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("a deprecation nobody reads")
+    shown = console.getvalue()
+    logging.getLogger("vllm.engine").error("an engine error")
+    assert "acc=0.41" in shown and "an engine error" in console.getvalue()
+    assert "prefix cache" not in shown and "deprecation" not in shown and "a real warning" not in shown
+    assert hidden_warnings() == 2  # the library warning and the Python warning
+    text = path.read_text()
+    for line in ("Successfully reset prefix cache", "acc=0.41", "a real warning", "deprecation nobody"):
+        assert line in text
+    assert path == tmp_path / "logs" / "run.log"
+
+
+def test_verbose_brings_the_libraries_back(tmp_path, console):
+    route_logs(tmp_path, verbose=True)
+    logging.getLogger("vllm").info("Reloading and processing weights took 0.02 seconds")
+    assert "Reloading" in console.getvalue()
+    set_console_verbose(False)
+    logging.getLogger("vllm").info("second chatter")
+    assert "second chatter" not in console.getvalue()
+    assert route_logs(tmp_path, rank=3).name == "run.rank3.log"
