@@ -34,10 +34,11 @@ STYLE = "walk_digits"
 
 @register_reward(STYLE)
 def walk_digits(item, cfg) -> Outcome:
-    """A third per digit in the response, capped at 1: fractional rewards with group variance."""
+    """A third per digit in the response, capped at 1: fractional rewards with group variance; the
+    "answer" is the digit count (so samples agree on wrong answers, as the wrong-label rule needs)."""
     digits = sum(ch.isdigit() for ch in item.response)
     return Outcome(min(1.0, digits / 3), "correct" if digits >= 3 else "wrong" if digits else
-                   "unparsable")
+                   "unparsable", extracted=str(digits))
 
 
 def write_data(path: Path, n: int, offset: int = 0) -> Path:

@@ -74,7 +74,7 @@ def base_overrides(tmp: Path) -> list[str]:
 
 
 def run_fake(cfg: RunConfig, tmp: Path, *, drop_version: bool = False, stale: bool = False,
-             preempt_after: int | None = None) -> dict:
+             preempt_after: int | None = None, observed: bool = False, on_step=None) -> dict:
     """A whole run (``trainer.run.run``) on the fakes; returns its transcript."""
     from megatron_rl.algo import EntropyController
     from megatron_rl.demo.tiny import build_char_tokenizer
@@ -94,6 +94,8 @@ def run_fake(cfg: RunConfig, tmp: Path, *, drop_version: bool = False, stale: bo
     stop = StopRequest()
 
     def preempt(steps: int) -> None:  # as SIGUSR1 would: finish the step, checkpoint, exit 99
+        if on_step is not None:
+            on_step(steps)
         if preempt_after is not None and steps >= preempt_after:
             stop.requested = True
 
@@ -109,6 +111,10 @@ def run_fake(cfg: RunConfig, tmp: Path, *, drop_version: bool = False, stale: bo
                   reward_mgr=RewardManager(cfg.reward), train_records=train, sft_records=sft,
                   eval_records=held_out,
                   tracker=Tracker(cfg.tracking, root, cfg.to_dict()))
+    if observed:  # the rollout dumps, W&B sample table and wrong-label monitor
+        from megatron_rl.trainer.context import build_observer
+
+        ctx.observer = build_observer(cfg, root, ctx.tracker)
     if cfg.algo.kl.enabled:  # a frozen copy of the start (the real one is Megatron: integration)
         ctx.reference = fake_run.BigramPolicy(len(tok), fake_run.Log(), seed=1)
     ctx.weight_sync = build_weight_sync(cfg.sync, [engine])
@@ -122,6 +128,23 @@ def run_fake(cfg: RunConfig, tmp: Path, *, drop_version: bool = False, stale: bo
 
 def observe_run(cfg: RunConfig, tmp: Path):
     return run_fake(cfg, tmp)
+
+
+def observe_dumps(cfg: RunConfig, tmp: Path):
+    """What the step observer leaves: the rollout dumps' rows (token ids included when dumped),
+    the wrong-label report, the W&B sample tables, and the run's transcript."""
+    import pandas as pd
+
+    out = run_fake(cfg, tmp, observed=True)
+    root = Path(cfg.trainer.run_dir)
+    dumps = sorted((root / "rollouts").glob("step_*.parquet"))
+    rows = [{k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in r.items()}
+            for p in dumps for r in pd.read_parquet(p).to_dict("records")]
+    labels = root / "rollouts" / "wrong_labels.json"
+    report = json.loads(labels.read_text()) if labels.exists() else None
+    tables = sorted(p.name for p in root.rglob("*.table.json"))
+    return {**out, "dumps": repr(rows), "labels": report, "tables": tables,
+            "bytes": sum(p.stat().st_size > 0 for p in dumps)}
 
 
 def observe_run_broken_engine(cfg: RunConfig, tmp: Path):
@@ -392,9 +415,53 @@ def observe_demo_inputs(cfg: RunConfig, tmp: Path):
     return out
 
 
+def observe_labels(cfg: RunConfig, tmp: Path):
+    """The wrong-label report at the end of a run, without its echo of the rule's settings."""
+    report = observe_dumps(cfg, tmp)["labels"]
+    if report is not None:
+        report.pop("rule")
+    return report
+
+
+def observe_labels_written(cfg: RunConfig, tmp: Path):
+    """At each optimizer step, the step of the wrong-label report on disk (None: none yet)."""
+    labels = Path(cfg.trainer.run_dir) / "rollouts" / "wrong_labels.json"
+    seen = []
+    run_fake(cfg, tmp, observed=True, on_step=lambda _: seen.append(
+        json.loads(labels.read_text())["step"] if labels.exists() else None))
+    return seen
+
+
+def observe_library_console(cfg: RunConfig, tmp: Path):
+    """What reaches the console of a library's INFO line once the entry point routed the logs
+    (``cli._train``: ``route_logs(..., verbose=tracking.console_libraries)``)."""
+    import io
+    import logging
+
+    from megatron_rl.tracking.logs import route_logs
+
+    root, screen = logging.getLogger(), io.StringIO()
+    libs = [logging.getLogger(n) for n in ("vllm", "transformers")]
+    saved = (root.handlers[:], root.level, [(lg.handlers[:], lg.propagate, lg.level) for lg in libs])
+    root.handlers = [logging.StreamHandler(screen)]  # the console
+    try:
+        route_logs(tmp / "logs_run", verbose=cfg.tracking.console_libraries)
+        logging.getLogger("vllm.engine").info("an engine line")
+        logging.getLogger("megatron_rl").info("a trainer line")
+    finally:  # the process's logging as it was
+        for h in root.handlers:
+            h.close()
+        root.handlers, root.level = saved[0], saved[1]
+        for lg, (handlers, propagate, level) in zip(libs, saved[2]):
+            lg.handlers, lg.propagate, lg.level = handlers, propagate, level
+        logging.captureWarnings(False)
+    return screen.getvalue()
+
+
 # ------------------------------------------------------------------------------- the probes
 R, D, RW, C, J, RB = observe_run, observe_data, observe_rewards, observe_code, observe_judge, \
     observe_run_broken_engine
+DUMPS, LBL = observe_dumps, observe_labels
 OFF = ["algo.n_sgd=2", "policy.optim.lr=3.0"]  # a second pass far from the first: ratios move
 TINY = ['model.path=""', "model.tiny={hidden_size: 64, intermediate_size: 48, num_layers: 1, "
         "num_heads: 2, num_kv_heads: 2}"]
@@ -402,6 +469,10 @@ ONE = ["data.style_key=data_source"]  # exact_boxed: every answer unparsable, no
 # evaluations at steps 1, 2, 3 of a four-step stage, on which the model scores (accuracy > 0)
 PLATEAU = ["eval.every=1", "algo.correct_reward=0.3",
            "stages=[{name: s1, max_response_len: 5, max_steps: 4}]"]
+# Four prompts seen every step (nine samples each by the end), every prompt labelled; the policy's
+# pass rate on the source (~0.25) does not stop suspects.
+WL = ["data.max_rows=4", "data.wrong_labels.min_samples=3", "data.wrong_labels.window=0",
+      "data.wrong_labels.min_source_pass_rate=0.0", "data.wrong_labels.suspect_max_pass_rate=0.4"]
 JUDGE = ["reward.judge.mode=main", "reward.judge.base_url={judge}", "reward.judge.model=j",
          "reward.judge.styles=[exact_boxed]"]
 
@@ -468,6 +539,7 @@ PROBES: dict[str, Probe] = {
     "sft.stop_accuracy": Probe("0.0", R, ["sft.enabled=true"]),
     "sft.max_seconds": Probe("1.0e-9", R, ["sft.enabled=true"]),
     "sft.control": Probe("true", R, ["sft.enabled=true"]),
+    "sft.data_path": Probe("{walk}/data/eval.jsonl", R, ["sft.enabled=true"]),
     "eval.path": Probe('""', R),
     "eval.size": Probe("2", R),
     "eval.every": Probe("1", R),
@@ -495,6 +567,19 @@ PROBES: dict[str, Probe] = {
     "data.keep_labels": Probe("[mixed]", D),
     "data.pass_rate_min": Probe("0.5", D),
     "data.pass_rate_max": Probe("0.5", D),
+    # the wrong-label monitor: its report (labels, suspects, hard prompts, the rule's map)
+    "data.wrong_labels.enabled": Probe("false", LBL, WL),
+    "data.wrong_labels.window": Probe("3", LBL, WL),
+    "data.wrong_labels.min_samples": Probe("7", LBL, [*WL, "stages=[{name: s1, max_response_len: 5, max_steps: 2}]"]),
+    "data.wrong_labels.agree_frac": Probe("0.9", LBL, WL),
+    "data.wrong_labels.hard_max_pass_rate": Probe("0.9", LBL, WL),
+    "data.wrong_labels.suspect_max_pass_rate": Probe("0.0", LBL, WL),
+    "data.wrong_labels.min_source_pass_rate": Probe("0.9", LBL, WL),
+    "data.wrong_labels.source_window": Probe("3", LBL, WL),
+    "data.wrong_labels.hard_examples": Probe("0", LBL, [*WL, "data.wrong_labels.hard_max_pass_rate=0.9"]),
+    "data.wrong_labels.write_every": Probe("1", observe_labels_written, [
+        *WL, "stages=[{name: s1, max_response_len: 5, max_steps: 5}]"]),
+    "data.wrong_labels.points_max": Probe("2", LBL, WL),
     # rewards
     "reward.num_workers": Probe("1", RW),
     "reward.worker_memory_mb": Probe("1024", RW),
@@ -538,6 +623,12 @@ PROBES: dict[str, Probe] = {
     "tracking.wandb_entity": Probe("e2", observe_wandb, ["tracking.wandb_mode=offline"]),
     "tracking.console": Probe("true", observe_console),
     "tracking.jsonl": Probe("false", R),
+    "tracking.console_libraries": Probe("true", observe_library_console),
+    "tracking.rollouts.enabled": Probe("false", DUMPS),
+    "tracking.rollouts.sample_rate": Probe("0.5", DUMPS),
+    "tracking.rollouts.max_gb": Probe("1.0e-9", DUMPS),
+    "tracking.rollouts.token_ids": Probe("false", DUMPS),
+    "tracking.rollouts.wandb_samples": Probe("0", DUMPS, ["tracking.wandb_mode=offline"]),
     # the demo's inputs: the tiny model and the synthetic task written into the run dir
     "model.path": Probe("{tmp}/model", observe_demo_inputs, TINY),
     **{f"model.tiny.{k}": Probe(v, observe_demo_inputs, TINY) for k, v in {
@@ -548,7 +639,8 @@ PROBES: dict[str, Probe] = {
                                                             "synthetic.eval_size=4"]),
     **{f"synthetic.{k}": Probe(v, observe_demo_inputs, ["synthetic.enabled=true",
                                                         "synthetic.train_size=30", "synthetic.eval_size=4"])
-       for k, v in {"train_size": "31", "eval_size": "5", "min_digits": "1", "max_digits": "2"}.items()},
+       for k, v in {"train_size": "31", "eval_size": "5", "min_digits": "1", "max_digits": "2",
+                    "sft_size": "5", "wrong_label_fraction": "0.2", "hard_fraction": "0.2"}.items()},
 }
 
 
