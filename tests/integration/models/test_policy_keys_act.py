@@ -38,6 +38,14 @@ PROBES = {  # key: (changed value, given overrides)
     "policy.seed": ("7", []),
     "policy.reference.path": ("{other}", ["algo.kl.enabled=true"]),
     "policy.reference.offload": ("true", ["algo.kl.enabled=true"]),
+    "policy.parallel.context_parallel": ("2", []),
+    # GPU-only (the CPU's CP attention always all-gathers): what a te-spec run asks TE for
+    "policy.parallel.cp_comm_type": ("all_gather", ["policy.parallel.context_parallel=2"]),
+    "policy.layer_spec": ("te", []),  # refused here (no CUDA), naming the key
+    "policy.recompute.granularity": ("full", []),
+    "policy.recompute.method": ("block", ["policy.recompute.granularity=full"]),
+    "policy.recompute.num_layers": ("2", ["policy.recompute.granularity=full"]),
+    "policy.recompute.modules": ("[mlp]", ["policy.recompute.granularity=selective"]),
 }
 
 
@@ -59,6 +67,7 @@ def _observe(cfg, model_dir, groups) -> dict:
     from megatron.core import optimizer as megatron_optimizer
 
     from megatron_rl.models import gpt
+    from megatron_rl.models.forward import check_spec
     from megatron_rl.models.hf_config import read_hf_config
     from megatron_rl.models.micro_batches import plan_micro_batches
     from megatron_rl.models.parallel import check_layout, rng_tracker_states
@@ -72,10 +81,16 @@ def _observe(cfg, model_dir, groups) -> dict:
         out["dp"] = check_layout(p.parallel, 8, arch.shape)
         view = type("Groups", (), dict(vars(groups)))()  # the groups init_distributed would make
         view.tp, view.pp, view.vpp = p.parallel.tensor_parallel, p.parallel.pipeline_parallel, p.parallel.vpp
-        view.sequence_parallel = p.parallel.sequence_parallel
-        tc = gpt.transformer_config(arch, view, torch.float32)
-        out["transformer"] = (tc.tensor_model_parallel_size, tc.pipeline_model_parallel_size,
-                              tc.virtual_pipeline_model_parallel_size, tc.sequence_parallel)
+        view.sequence_parallel, view.cp = p.parallel.sequence_parallel, p.parallel.context_parallel
+        for spec in ("local", "te"):  # what this machine builds, and what a GPU run asks TE for
+            tc = gpt.transformer_config(arch, view, torch.float32, layer_spec=spec,
+                                        recompute=p.recompute.megatron_kwargs(),
+                                        cp_comm_type=p.parallel.cp_comm_type)
+            out[f"transformer_{spec}"] = (
+                tc.tensor_model_parallel_size, tc.pipeline_model_parallel_size,
+                tc.virtual_pipeline_model_parallel_size, tc.sequence_parallel,
+                tc.context_parallel_size, getattr(tc, "cp_comm_type", None), tc.recompute_granularity,
+                tc.recompute_method, tc.recompute_num_layers, tc.recompute_modules)
     except Exception as exc:  # noqa: BLE001 - a layout that does not fit is what the key did
         out["dp"] = f"{type(exc).__name__}: {exc}"
     one_rank = type(p.parallel)(use_distributed_optimizer=p.parallel.use_distributed_optimizer,
@@ -85,8 +100,13 @@ def _observe(cfg, model_dir, groups) -> dict:
     groups = init_distributed(one_rank, seed=p.seed)  # joins this world with the keys' settings
     out["timeout"] = groups.timeout_s
     out["rng"] = [float(s.double().sum()) for s in rng_tracker_states().values()]
+    try:
+        out["layer_spec"] = check_spec(p, groups)
+    except Exception as exc:  # noqa: BLE001 - a spec this machine cannot run is refused
+        return {**out, "layer_spec": f"{type(exc).__name__}: {exc}"}
     local = type(p)(**{**{f: getattr(p, f) for f in ("optim", "micro_batch_tokens", "params_dtype",
-                                                       "seed", "reference")}, "parallel": one_rank})
+                                                       "seed", "reference", "layer_spec",
+                                                       "recompute")}, "parallel": one_rank})
     seen = []
     real = megatron_optimizer.get_megatron_optimizer
     megatron_optimizer.get_megatron_optimizer = lambda config, *a, **k: seen.append(config) or real(config, *a, **k)
