@@ -10,7 +10,7 @@ From the demo's SFT cold start (made once, reused from ``--work``), the demo's f
 for each of ``--seeds`` (data order and sampling seeds; same SFT checkpoint, same data and held-out
 set), both with the same objective (``--algo``, default TIS: stale samples need it, and it costs the
 synchronous run an old-log-prob pass). The trainer process is pinned to core 0 and the engine
-(its own process, ``vllm_remote``) to core 1, one thread each. Prints, per run, the GRPO wall time (the steps' summed ``timing/step``),
+(a vLLM server the trainer starts: ``vllm_server``, colocated, gloo sync) to core 1, one thread each. Prints, per run, the GRPO wall time (the steps' summed ``timing/step``),
 the greedy held-out accuracy after the stage (500 problems; also for the SFT weights themselves) and
 the step's time split; then the ratios: async vs sync (ours vs naive), the physical floor of
 one-step-off, max(generation + reward, old log-probs + update) + sync per step, from the sync runs'
@@ -41,6 +41,9 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "demo_cpu.yaml"
 STAGE = "stage1_12"
 ENGINE_CORE, TRAINER_CORE = 1, 0
+# The engine in its own process: one vLLM server, started by the trainer, weights over gloo.
+SERVER = ["rollout.engine=vllm_server", "rollout.placement=colocated", "sync.transport=gloo",
+          "sync.bucket_bytes=16777216"]
 
 
 def loadavg() -> str:
@@ -67,16 +70,26 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
 def _pin_engine(trainer: subprocess.Popen, stop: threading.Event) -> None:
-    """The engine is the trainer's spawned child: pin every thread of it to ENGINE_CORE (repeatedly:
-    vLLM starts threads while it boots)."""
+    """The engine is a vLLM server the trainer started (API server, EngineCore, worker): pin every
+    thread of those processes to ENGINE_CORE (repeatedly: vLLM starts threads while it boots)."""
     while not stop.wait(0.5):
         for child in _children(trainer.pid):
             try:
-                if b"multiprocessing" not in Path(f"/proc/{child}/cmdline").read_bytes():
+                if b"vllm.entrypoints" not in Path(f"/proc/{child}/cmdline").read_bytes():
                     continue
-                for tid in Path(f"/proc/{child}/task").iterdir():
-                    os.sched_setaffinity(int(tid.name), {ENGINE_CORE})
+                for pid in [child, *_descendants(child)]:
+                    for tid in Path(f"/proc/{pid}/task").iterdir():
+                        os.sched_setaffinity(int(tid.name), {ENGINE_CORE})
             except OSError:
                 pass
 
@@ -107,7 +120,7 @@ def sft_checkpoint(work: Path) -> Path:
         sft.parent.mkdir(parents=True, exist_ok=True)
         # one GRPO step (a stage runs at least one; it is not used); the run's "start" evaluation
         # is the SFT weights' held-out accuracy
-        train(sft, ["stages.0.max_steps=1", "rollout.engine=vllm_remote"], pin=False)
+        train(sft, ["stages.0.max_steps=1", *SERVER], pin=False)
         print(f"  done in {time.perf_counter() - t0:.0f} s", flush=True)
     return sft
 
@@ -119,7 +132,7 @@ def grpo_run(work: Path, sft: Path, mode: str, seed: int, steps: int, algo: list
             "sft.enabled=false", f"trainer.init_from={sft / 'sft' / 'final'}", f"trainer.seed={seed}",
             f"model.path={sft / 'base_model'}", "synthetic.enabled=false",
             f"data.train_path={sft / 'data' / 'train.jsonl'}", f"eval.path={sft / 'data' / 'eval.jsonl'}",
-            f"stages.0.max_steps={steps}", "eval.every=0", "trainer.save_every=0", "rollout.engine=vllm_remote",
+            f"stages.0.max_steps={steps}", "eval.every=0", "trainer.save_every=0", *SERVER,
             f"rollout.async.max_staleness={1 if mode == 'async' else 0}", *algo,
         ]
         t0 = time.perf_counter()

@@ -32,7 +32,7 @@ class LaunchConfig(ConfigBase):
     overrides: list[str] = field(default_factory=list)
     # "slurm" (sbatch through NeMo-Run, pyxis container optional) or "local" (this machine).
     executor: str = "slurm"
-    # Slurm: nodes of the job; every node runs torchrun for the trainer (engines colocated).
+    # Slurm: trainer nodes of the job; each runs torchrun for the trainer (and, colocated, its engines).
     nodes: int = 1
     # Slurm: GPUs requested per node.
     gpus_per_node: int = 8
@@ -64,6 +64,12 @@ class LaunchConfig(ConfigBase):
     # <job_dir>/experiments/<experiment>/<experiment id>/<stage>/; empty: $NEMORUN_HOME when set,
     # else <run_dir>/nemorun.
     job_dir: str = ""
+    # Rollout engines (when the config's rollout.engine is vllm_server): "colocated" (every trainer
+    # node also runs the engines for its GPUs) or "dedicated" (``rollout_nodes`` more nodes run only
+    # engines: a heterogeneous Slurm job of a trainer group and an engine group).
+    rollout_placement: str = "colocated"
+    # Slurm, dedicated: nodes of the engine group (in addition to ``nodes`` trainer nodes).
+    rollout_nodes: int = 1
 
     def validate(self) -> None:
         super().validate()
@@ -78,6 +84,12 @@ class LaunchConfig(ConfigBase):
         for name in ("nproc_per_node", "cpus_per_task", "signal_lead_s", "max_requeues"):
             self.check_range(name, lo=0)
         self.check_range("master_port", lo=0, hi=65535)
+        if self.rollout_placement not in ("colocated", "dedicated"):
+            self.fail("rollout_placement", f"must be 'colocated' or 'dedicated', got {self.rollout_placement!r}")
+        if self.rollout_placement == "dedicated":
+            if self.executor != "slurm":
+                self.fail("rollout_placement", "'dedicated' puts the engines on nodes of their own: Slurm only")
+            self.check_range("rollout_nodes", lo=1)
         if self.executor == "local" and self.nodes != 1:
             self.fail("nodes", f"the local executor runs on this machine only (nodes=1), got {self.nodes}")
         for i, m in enumerate(self.container_mounts):

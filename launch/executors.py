@@ -13,6 +13,13 @@ processes and reports "checkpointed, requeue me" as exit code 99.
   the job when the step exits non-zero, up to ``max_requeues`` times. Optional pyxis container: the
   checkout and the run directory are mounted at the same paths.
 - Local: the same command on this machine (the CPU miniature: one process, no torchrun).
+
+Rollout engines (the config's ``rollout.engine`` is ``vllm_server``): colocated, node_launch.sh
+starts each node's vLLM servers before the trainer (``MRL_ENGINE_ARGS``); dedicated (Slurm), the job
+is heterogeneous: group 0 the trainer nodes, group 1 ``rollout_nodes`` engine nodes that run only
+``node_launch.sh --engines``. NeMo-Run's group monitor stops the engine group when the trainer group
+exits. The trainer finds the engines in the run directory's registry and sends weights from its
+first node through vLLM's RL routes.
 """
 
 from __future__ import annotations
@@ -40,10 +47,49 @@ def resolve_stage(cfg: LaunchConfig) -> tuple[str, Path]:
     return name, run_dir if run_dir.is_absolute() else HOME / run_dir
 
 
+# Expanded by the batch shell of a heterogeneous (dedicated) job: the first trainer host and the
+# engine group's hosts.
+TRAINER_HOST = "$het_group_host_0"
+ENGINE_HOSTS = "$(scontrol show hostnames $SLURM_JOB_NODELIST_HET_GROUP_1 | paste -sd, -)"
+
+
+def uses_servers(cfg: LaunchConfig) -> bool:
+    """The run's rollout engines are vLLM servers (the config and its overrides say so)."""
+    from megatron_rl.config.loader import apply_override, load_yaml_tree
+
+    tree = load_yaml_tree(cfg.config_path())
+    for item in cfg.overrides:
+        tree = apply_override(tree, item)
+    return (tree.get("rollout") or {}).get("engine", "vllm") == "vllm_server"
+
+
+def engine_overrides(cfg: LaunchConfig) -> list[str]:
+    """Overrides the trainer and the engine launchers share, by placement (unquoted: some name
+    batch-shell variables; none contains white space once expanded)."""
+    if cfg.rollout_placement == "dedicated":
+        return ["rollout.engine=vllm_server", "rollout.placement=dedicated", "rollout.num_engines=0",
+                f"rollout.hosts=[{ENGINE_HOSTS}]", f"sync.master_addr={TRAINER_HOST}"]
+    if uses_servers(cfg):
+        addr = "$head_node_ip" if cfg.executor == "slurm" else "127.0.0.1"
+        return ["rollout.placement=colocated", f"sync.master_addr={addr}"]
+    return []
+
+
+def _quote(arg: str) -> str:
+    """Quoted for the batch shell, leaving ``$var`` / ``$(...)`` to expand."""
+    return f'"{arg}"' if "$" in arg else shlex.quote(arg)
+
+
 def trainer_args(cfg: LaunchConfig, stage: str, run_dir: Path) -> list[str]:
     """Arguments of ``megatron-rl`` for the stage."""
     return ["train", "--config", str(cfg.config_path()), "--run-dir", str(run_dir), "--stage", stage,
-            *cfg.overrides]
+            *engine_overrides(cfg), *cfg.overrides]
+
+
+def engine_args(cfg: LaunchConfig, run_dir: Path) -> list[str]:
+    """Arguments of ``megatron-rl engines`` (a node's vLLM servers) for the same run."""
+    return ["engines", "--config", str(cfg.config_path()), "--run-dir", str(run_dir),
+            *engine_overrides(cfg), *cfg.overrides]
 
 
 def node_command(cfg: LaunchConfig, stage: str, run_dir: Path) -> list[str]:
@@ -54,29 +100,36 @@ def node_command(cfg: LaunchConfig, stage: str, run_dir: Path) -> list[str]:
         # Quoted here: NeMo-Run pastes the arguments into the srun line as they are, so that the
         # rendezvous variables below expand in the batch shell.
         port = str(cfg.master_port) if cfg.master_port else "$((20000+SLURM_JOB_ID%20000))"
+        head = TRAINER_HOST if cfg.rollout_placement == "dedicated" else "$head_node_ip"
         return ["torchrun", f"--nnodes={cfg.nodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=$head_node_ip:{port}", "--rdzv-id=$SLURM_JOB_ID",
-                "--max-restarts=0", "-m", "megatron_rl.cli", *map(shlex.quote, args)]
+                f"--rdzv-endpoint={head}:{port}", "--rdzv-id=$SLURM_JOB_ID",
+                "--max-restarts=0", "-m", "megatron_rl.cli", *map(_quote, args)]
     if nproc == 1:
         return ["python", "-m", "megatron_rl.cli", *args]
     return ["torchrun", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0",
             "-m", "megatron_rl.cli", *args]
 
 
-def task_env(cfg: LaunchConfig) -> dict[str, str]:
+def task_env(cfg: LaunchConfig, run_dir: Path, *, engines: bool = False) -> dict[str, str]:
+    """The environment of the trainer task (or, ``engines``, of the engine group's task)."""
     direct = cfg.executor == "local" and cfg.procs_per_node() == 1
     env = {"MEGATRON_RL_HOME": str(HOME), "LAUNCHER": "direct" if direct else "torchrun"}
     if cfg.executor == "slurm":
         env["MRL_STOP_BEFORE_END_S"] = str(cfg.signal_lead())
     if cfg.venv:
         env["VENV"] = cfg.venv
+    colocated = cfg.rollout_placement == "colocated" and uses_servers(cfg)
+    if engines or colocated:  # node_launch.sh starts `megatron-rl engines $MRL_ENGINE_ARGS`
+        value = " ".join(engine_args(cfg, run_dir))
+        # NeMo-Run writes `export NAME=value` as is: quote it, letting the job's variables expand
+        env["MRL_ENGINE_ARGS"] = f'"{value}"' if cfg.executor == "slurm" else value
     return {**env, **cfg.env}
 
 
-def make_task(cfg: LaunchConfig, stage: str, run_dir: Path):
+def make_task(cfg: LaunchConfig, stage: str, run_dir: Path, *, engines: bool = False):
     import nemo_run as run
 
-    command = node_command(cfg, stage, run_dir)
+    command = ["--engines"] if engines else node_command(cfg, stage, run_dir)
     if cfg.executor == "slurm":
         command = [shlex.quote(str(NODE_LAUNCH)), *command]
     else:
@@ -84,7 +137,15 @@ def make_task(cfg: LaunchConfig, stage: str, run_dir: Path):
     return run.Script(path=command[0], args=command[1:], entrypoint="bash")
 
 
-def slurm_executor(cfg: LaunchConfig, run_dir: Path):
+def make_tasks(cfg: LaunchConfig, stage: str, run_dir: Path) -> list:
+    """The trainer task, and (dedicated) the engine group's task."""
+    tasks = [make_task(cfg, stage, run_dir)]
+    if cfg.rollout_placement == "dedicated":
+        tasks.append(make_task(cfg, stage, run_dir, engines=True))
+    return tasks
+
+
+def slurm_executor(cfg: LaunchConfig, run_dir: Path, *, engines: bool = False):
     import nemo_run as run
 
     mounts: list[str] = []
@@ -94,7 +155,7 @@ def slurm_executor(cfg: LaunchConfig, run_dir: Path):
         account=cfg.account or None,  # no --account line: clusters without accounting
         partition=cfg.partition or None,
         job_name_prefix="mrl-",
-        nodes=cfg.nodes,
+        nodes=cfg.rollout_nodes if engines else cfg.nodes,
         ntasks_per_node=1,
         gpus_per_node=cfg.gpus_per_node,
         cpus_per_task=cfg.cpus_per_task or None,
@@ -102,8 +163,9 @@ def slurm_executor(cfg: LaunchConfig, run_dir: Path):
         time=cfg.time,
         container_image=cfg.container_image or None,
         container_mounts=mounts,
-        env_vars=task_env(cfg),
+        env_vars=task_env(cfg, run_dir, engines=engines),
         retries=cfg.max_requeues,
+        heterogeneous=cfg.rollout_placement == "dedicated",
         # The tunnel's job dir must be the experiment's own dir ($NEMORUN_HOME/experiments/...,
         # LocalTunnel's default): sbatch is given the script there and srun runs in its code/.
         tunnel=run.LocalTunnel(job_dir=""),
@@ -111,12 +173,18 @@ def slurm_executor(cfg: LaunchConfig, run_dir: Path):
     )
 
 
-def local_executor(cfg: LaunchConfig):
+def local_executor(cfg: LaunchConfig, run_dir: Path):
     import nemo_run as run
 
     # node_launch.sh starts torchrun itself when nproc > 1, so NeMo-Run's own launcher stays off.
-    return run.LocalExecutor(ntasks_per_node=1, env_vars=task_env(cfg))
+    return run.LocalExecutor(ntasks_per_node=1, env_vars=task_env(cfg, run_dir))
 
 
-def make_executor(cfg: LaunchConfig, run_dir: Path):
-    return slurm_executor(cfg, run_dir) if cfg.executor == "slurm" else local_executor(cfg)
+def make_executors(cfg: LaunchConfig, run_dir: Path) -> list:
+    """One executor per task of :func:`make_tasks` (dedicated: the trainer group, the engine group)."""
+    if cfg.executor != "slurm":
+        return [local_executor(cfg, run_dir)]
+    executors = [slurm_executor(cfg, run_dir)]
+    if cfg.rollout_placement == "dedicated":
+        executors.append(slurm_executor(cfg, run_dir, engines=True))
+    return executors

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from launch.config import HOME, LaunchConfig
-from launch.executors import make_executor, make_task, node_command, resolve_stage
+from launch.executors import make_executors, make_tasks, node_command, resolve_stage
 
 
 def _experiment_title(cfg: LaunchConfig, stages: list[str]) -> str:
@@ -38,7 +38,9 @@ def _nemorun_home(cfg: LaunchConfig, run_dir: Path) -> Path:
 
 
 def _prepare(cfgs: list[LaunchConfig]):
-    """Validated configs (one per stage) -> (stage names, [(task, executor)]), NEMORUN_HOME set."""
+    """Validated configs (one per stage) -> (stage names, [(tasks, executors)]), NEMORUN_HOME set: per
+    stage one task, or with dedicated engines a trainer group and an engine group (one
+    heterogeneous job)."""
     stages, jobs, homes = [], [], set()
     for cfg in cfgs:
         cfg.validate()
@@ -60,22 +62,34 @@ def _prepare(cfgs: list[LaunchConfig]):
     import nemo_run.config
 
     nemo_run.config.set_nemorun_home(str(home))  # read once when nemo_run is imported
-    return stages, [(make_task(cfg, stage, run_dir), make_executor(cfg, run_dir)) for cfg, stage, run_dir in jobs]
+    return stages, [(make_tasks(cfg, stage, run_dir), make_executors(cfg, run_dir)) for cfg, stage, run_dir in jobs]
+
+
+def _add(exp, tasks: list, executors: list, stage: str) -> None:
+    if len(tasks) == 1:
+        exp.add(tasks[0], executor=executors[0], name=stage)
+    else:
+        exp.add(tasks, executor=executors, name=stage)
+
+
+def _dryrun_info(job):
+    """The dry run's request NeMo-Run keeps on the job (a job group: on its first member)."""
+    return job._dryrun_infos[0] if hasattr(job, "_dryrun_infos") else job._dryrun_info
 
 
 def dry_run(cfgs: list[LaunchConfig]) -> str:
     """The sbatch scripts NeMo-Run would submit (Slurm), or the commands it would run (local)."""
     stages, jobs = _prepare(cfgs)
     if cfgs[0].executor == "local":
-        return "\n".join(" ".join(["bash", task.path, *task.args]) for task, _ in jobs)
+        return "\n".join(" ".join(["bash", tasks[0].path, *tasks[0].args]) for tasks, _ in jobs)
     import nemo_run as run
 
-    with run.Experiment(_experiment_title(cfgs[0], stages), executor=jobs[0][1], log_level="WARN") as exp:
-        for stage, (task, executor) in zip(stages, jobs):
-            exp.add(task, executor=executor, name=stage)
+    with run.Experiment(_experiment_title(cfgs[0], stages), executor=jobs[0][1][0], log_level="WARN") as exp:
+        for stage, (tasks, executors) in zip(stages, jobs):
+            _add(exp, tasks, executors, stage)
         exp.dryrun(log=False)
-        # NeMo-Run keeps the dry run's request on the job; materialize() renders the sbatch text.
-        return "\n".join(job._dryrun_info.request.materialize() for job in exp.jobs)
+        # materialize() renders the sbatch text.
+        return "\n".join(_dryrun_info(job).request.materialize() for job in exp.jobs)
 
 
 def launch(cfgs: list[LaunchConfig]) -> int:
@@ -86,9 +100,9 @@ def launch(cfgs: list[LaunchConfig]) -> int:
     for cfg in cfgs:
         resolve_stage(cfg)[1].mkdir(parents=True, exist_ok=True)
     detach = cfgs[0].executor == "slurm"
-    with run.Experiment(_experiment_title(cfgs[0], stages), executor=jobs[0][1], log_level="WARN") as exp:
-        for stage, (task, executor) in zip(stages, jobs):
-            exp.add(task, executor=executor, name=stage)
+    with run.Experiment(_experiment_title(cfgs[0], stages), executor=jobs[0][1][0], log_level="WARN") as exp:
+        for stage, (tasks, executors) in zip(stages, jobs):
+            _add(exp, tasks, executors, stage)
         exp.run(sequential=True, detach=detach, tail_logs=False)
     status = exp.status(return_dict=True) or {}
     ok = True
@@ -129,6 +143,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[LaunchConfig], bool]
     p.add_argument("--venv", default="")
     p.add_argument("--max-requeues", type=int, default=50)
     p.add_argument("--job-dir", default="", help="NEMORUN_HOME (default: $NEMORUN_HOME, else <run dir>/nemorun)")
+    p.add_argument("--rollout-placement", default="colocated", choices=["colocated", "dedicated"],
+                   help="dedicated: --rollout-nodes more nodes run only the vLLM engines (Slurm)")
+    p.add_argument("--rollout-nodes", type=int, default=1)
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides for the trainer")
     a = p.parse_args(argv)
     stages = [s.strip().removeprefix("stage") for s in a.stage.split(",")]
@@ -148,7 +165,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[LaunchConfig], bool]
         cpus_per_task=a.cpus_per_task, nproc_per_node=a.nproc_per_node, account=a.account,
         partition=a.partition, time=a.time, container_image=a.container_image,
         container_mounts=list(a.container_mount), env=env, venv=a.venv, max_requeues=a.max_requeues,
-        master_port=a.master_port, job_dir=a.job_dir)
+        master_port=a.master_port, job_dir=a.job_dir, rollout_placement=a.rollout_placement,
+        rollout_nodes=a.rollout_nodes)
     return [dataclasses.replace(cfg, stage=int(s)) for s in stages], a.dry_run
 
 

@@ -2,6 +2,7 @@
 
     megatron-rl train --config CONFIG.yaml [--stage NAME] [--run-dir DIR] [key.sub=value ...]
     megatron-rl demo  [--run-dir DIR] [key.sub=value ...]      # the built-in CPU demo
+    megatron-rl engines --config CONFIG.yaml [--run-dir DIR]   # this node's vLLM servers (a node launcher)
     megatron-rl validate CONFIG.yaml [...]                     # load + validate configs
     megatron-rl data difficulty ...                            # label prompts by difficulty
     megatron-rl analyze RUN_DIR                                # the run report (HTML)
@@ -91,6 +92,50 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
     return code
 
 
+def _engines(config: str, run_dir: str | None, node: str | None, host: str | None, count: int | None,
+             overrides: list[str]) -> int:
+    """Run this node's rollout engines (vLLM servers) until SIGTERM / SIGINT: started together,
+    registered in the run's engine registry, restarted if one exits. What slurm/node_launch.sh
+    (colocated) and the sbatch scripts' engine step (dedicated) run on each node."""
+    import signal
+    import threading
+    import time
+
+    from megatron_rl.demo import tiny_model_dir
+    from megatron_rl.trainer.engines import node_launcher
+    from megatron_rl.trainer.schema import load_run_config
+
+    if run_dir:
+        overrides = [*overrides, f"trainer.run_dir={run_dir}"]
+    cfg = load_run_config(config, overrides)
+    if cfg.rollout.engine != "vllm_server":
+        print("megatron-rl engines: the config runs rollout.engine="
+              f"{cfg.rollout.engine!r} (in the trainer's process); nothing to launch", file=sys.stderr)
+        return 2
+    model_path = cfg.model.path or str(tiny_model_dir(cfg.trainer.run_dir))
+    deadline = time.monotonic() + cfg.rollout.start_timeout_s
+    # the demo's tiny model is written by the trainer's rank 0; tiny_spec.json is its last file
+    done = Path(model_path) / ("config.json" if cfg.model.path else "tiny_spec.json")
+    while not done.exists():
+        if time.monotonic() > deadline:
+            print(f"megatron-rl engines: no model at {model_path} after {cfg.rollout.start_timeout_s:g}s",
+                  file=sys.stderr)
+            return 2
+        time.sleep(1.0)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    launcher = node_launcher(cfg, model_path, node=node, host=host, count=count)
+    try:
+        launcher.start()
+        for server in launcher.servers:
+            print(f"engine {server.spec.name} at {server.spec.url()}", flush=True)
+        launcher.supervise(stop)
+    finally:
+        launcher.stop()
+    return 0
+
+
 # Exit code of a run stopped by trainer.max_steps_without_update (2: a config error, 99: requeue).
 NO_UPDATE_EXIT_CODE = 3
 
@@ -129,6 +174,13 @@ def _main(argv: list[str]) -> int:
     d = sub.add_parser("demo", help="the built-in CPU demo: SFT cold start + multi-stage GRPO on a tiny model")
     d.add_argument("--run-dir", default="runs/demo")
     d.add_argument("overrides", nargs="*")
+    e = sub.add_parser("engines", help="run this node's rollout engines (vLLM servers) until stopped")
+    e.add_argument("--config", required=True)
+    e.add_argument("--run-dir", default=None)
+    e.add_argument("--node-name", default=None, help="names the engines <node>-<i> (default: the host name)")
+    e.add_argument("--host", default=None, help="address the servers bind to (default: this host's name)")
+    e.add_argument("--count", type=int, default=None, help="engines on this node (default: rollout.engines_per_node)")
+    e.add_argument("overrides", nargs="*")
     for sp in (t, d):
         sp.add_argument("-v", "--verbose", action="store_true",
                         help="libraries' INFO logs (vLLM, ...) on the console too (tracking.console_libraries)")
@@ -147,6 +199,8 @@ def _main(argv: list[str]) -> int:
     _setup_logging()
     if args.cmd == "train":
         return _train(args.config, args.run_dir, args.stage, args.overrides, args.verbose)
+    if args.cmd == "engines":
+        return _engines(args.config, args.run_dir, args.node_name, args.host, args.count, args.overrides)
     if args.cmd == "demo":
         return _train(str(DEMO_CONFIG), args.run_dir, None, args.overrides, args.verbose)
     if args.cmd == "analyze":

@@ -29,8 +29,12 @@
 #   VENV              virtualenv to activate on every node (default: none; the caller's PATH)
 #   CONTAINER         pyxis/enroot image for `srun --container-image` (default: none)
 #   CONTAINER_MOUNTS  `--container-mounts` (default: the checkout and the run dir's parent)
-#   ROLLOUT_PLACEMENT colocated (default: engines share the trainer's GPUs) | dedicated
-#   ROLLOUT_NODES     nodes given to the rollout engines when dedicated (default 1)
+#   ROLLOUT_PLACEMENT colocated (default: each trainer node runs the engines for its own GPUs, started
+#                     by node_launch.sh when the config uses rollout.engine=vllm_server) | dedicated
+#                     (vLLM servers on the engine hosts, as their own srun step; the trainer finds them
+#                     in RUN_DIR/engines and sends weights through vLLM's RL routes)
+#   ROLLOUT_NODES     engine hosts when dedicated: the last N nodes of the job (default 1)
+#   ROLLOUT_HOSTS     engine hosts when dedicated, by name (instead of ROLLOUT_NODES)
 #   MAX_REQUEUES      stop requeueing after this many restarts (default 50)
 #   MEGATRON_RL_HOME  the checkout (default: the one this file is in)
 #   DRY_RUN=1         print the srun command instead of running it (no Slurm needed)
@@ -60,6 +64,17 @@ i = int(sys.argv[2])
 if not 1 <= i <= len(stages):
     sys.exit(f"{sys.argv[1]}: has {len(stages)} stages, no stage number {i}")
 print(stages[i - 1]["name"], (tree.get("trainer") or {}).get("run_dir", "runs/default"))
+EOF_PY
+}
+
+mrl_config_engine() {  # mrl_config_engine CONFIG "OVERRIDES": the rollout.engine the run uses
+  "$(mrl_python)" - "$1" "$2" <<'EOF_PY'
+import sys
+from megatron_rl.config.loader import apply_override, load_yaml_tree
+tree = load_yaml_tree(sys.argv[1])
+for item in sys.argv[2].split():
+    tree = apply_override(tree, item)
+print((tree.get("rollout") or {}).get("engine", "vllm"))
 EOF_PY
 }
 
@@ -94,33 +109,64 @@ mrl_main() {
   else
     hosts=("$(hostname -s)")
   fi
+  # Engine hosts: ROLLOUT_HOSTS (explicit; when they are all the job's nodes they are shared with the
+  # trainer, which is how the one-node test cluster emulates dedicated engine nodes), or the last
+  # ROLLOUT_NODES hosts of the allocation.
   case "${ROLLOUT_PLACEMENT:-colocated}" in
     colocated) ;;
     dedicated)
-      n_rollout="${ROLLOUT_NODES:-1}"
-      if [ "$n_rollout" -ge "${#hosts[@]}" ]; then
-        mrl_log "ROLLOUT_NODES=$n_rollout leaves no trainer node out of ${#hosts[@]}"; return 2
+      if [ -n "${ROLLOUT_HOSTS:-}" ]; then
+        IFS=', ' read -r -a rollout_hosts <<<"$ROLLOUT_HOSTS"
+        n_rollout="${#rollout_hosts[@]}"
+      else
+        n_rollout="${ROLLOUT_NODES:-1}"
+        if [ "$n_rollout" -ge "${#hosts[@]}" ]; then
+          mrl_log "ROLLOUT_NODES=$n_rollout leaves no trainer node out of ${#hosts[@]}"; return 2
+        fi
+        rollout_hosts=("${hosts[@]:$(( ${#hosts[@]} - n_rollout ))}")
       fi ;;
     *) mrl_log "ROLLOUT_PLACEMENT must be colocated or dedicated, got '$ROLLOUT_PLACEMENT'"; return 2 ;;
   esac
-  local n_train=$(( ${#hosts[@]} - n_rollout ))
-  train_hosts=("${hosts[@]:0:$n_train}")
-  rollout_hosts=("${hosts[@]:$n_train}")
+  local h r keep
+  train_hosts=()
+  for h in "${hosts[@]}"; do
+    keep=1
+    for r in "${rollout_hosts[@]}"; do [ "$h" = "$r" ] && keep=0; done
+    [ "$keep" = 1 ] && train_hosts+=("$h")
+  done
+  if [ "${#train_hosts[@]}" -eq 0 ]; then
+    train_hosts=("${hosts[@]}")
+    mrl_log "the engine hosts (${rollout_hosts[*]}) are all the job's nodes: the trainer shares them"
+  fi
+  local n_train="${#train_hosts[@]}"
   export MASTER_ADDR="${MASTER_ADDR:-${train_hosts[0]}}"
   export MASTER_PORT="${MASTER_PORT:-$(( 20000 + ${SLURM_JOB_ID:-0} % 20000 ))}"
   local nproc="${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}"
 
   # --- the trainer command ------------------------------------------------------------------------
-  local train_args=(train --config "$config" --run-dir "$run_dir" --stage "$stage")
-  [ -n "${MODEL_PATH:-}" ] && train_args+=("model.path=$MODEL_PATH")
-  [ -n "${INIT_FROM:-}" ] && train_args+=("trainer.init_from=$INIT_FROM")
+  local common_args=(--config "$config" --run-dir "$run_dir")
+  [ -n "${MODEL_PATH:-}" ] && common_args+=("model.path=$MODEL_PATH")
+  [ -n "${INIT_FROM:-}" ] && common_args+=("trainer.init_from=$INIT_FROM")
+  # Rollout engines: vLLM servers started per node (colocated: by slurm/node_launch.sh before the
+  # trainer; dedicated: as their own srun step on the engine hosts), found by the trainer in the
+  # run directory's engine registry; weights through vLLM's RL routes from MASTER_ADDR.
+  local engine
+  engine="$(mrl_config_engine "$config" "${OVERRIDES:-}")" || return 2
   if [ "$n_rollout" -gt 0 ]; then
-    MRL_ROLLOUT_HOSTS="$(IFS=,; echo "${rollout_hosts[*]}")"
-    export MRL_ROLLOUT_HOSTS   # the hosts reserved for the engines, for the trainer's engine launcher
-    train_args+=("rollout.engine=vllm_remote" "sync.master_addr=$MASTER_ADDR")
+    engine=vllm_server
+    common_args+=("rollout.engine=vllm_server" "rollout.placement=dedicated" "rollout.num_engines=0"
+                  "rollout.hosts=[$(IFS=,; echo "${rollout_hosts[*]}")]" "sync.master_addr=$MASTER_ADDR")
+  elif [ "$engine" = vllm_server ]; then
+    common_args+=("rollout.placement=colocated" "sync.master_addr=$MASTER_ADDR")
   fi
   # shellcheck disable=SC2206  # OVERRIDES is a space-separated list by design
-  [ -n "${OVERRIDES:-}" ] && train_args+=(${OVERRIDES})
+  [ -n "${OVERRIDES:-}" ] && common_args+=(${OVERRIDES})
+  local train_args=(train --stage "$stage" "${common_args[@]}")
+  if [ "$engine" = vllm_server ]; then
+    # what node_launch.sh runs as `python -m megatron_rl.cli engines ...` on an engine node
+    MRL_ENGINE_ARGS="$(printf '%q ' engines "${common_args[@]}")"
+    export MRL_ENGINE_ARGS
+  fi
   local node_cmd
   case "${LAUNCHER:-torchrun}" in
     torchrun)
@@ -138,16 +184,29 @@ mrl_main() {
   local srun_cmd=(srun --nodes="$n_train" --ntasks="$n_train" --ntasks-per-node=1 --kill-on-bad-exit=1)
   [ -n "${SLURM_CPUS_ON_NODE:-}" ] && srun_cmd+=(--cpus-per-task="$SLURM_CPUS_ON_NODE")
   [ -n "${SLURM_JOB_ID:-}" ] && srun_cmd+=(--nodelist="$(IFS=,; echo "${train_hosts[*]}")")
+  local container=()
   if [ -n "${CONTAINER:-}" ]; then
-    srun_cmd+=(--container-image="$CONTAINER"
+    container=(--container-image="$CONTAINER"
                --container-mounts="${CONTAINER_MOUNTS:-$home:$home,$(dirname "$run_dir"):$(dirname "$run_dir")}"
                --container-workdir="$home")
   fi
+  srun_cmd+=("${container[@]}")
   local full=("${srun_cmd[@]}" bash "$home/slurm/node_launch.sh" "${node_cmd[@]}")
+  # Dedicated engines: one task per engine host, sharing the CPUs of a node the trainer also uses.
+  local engine_cmd=()
+  if [ "$n_rollout" -gt 0 ]; then
+    engine_cmd=(srun --nodes="$n_rollout" --ntasks="$n_rollout" --ntasks-per-node=1 --overlap)
+    [ -n "${SLURM_JOB_ID:-}" ] && engine_cmd+=(--nodelist="$(IFS=,; echo "${rollout_hosts[*]}")")
+    engine_cmd+=("${container[@]}")
+    engine_cmd+=(bash "$home/slurm/node_launch.sh" --engines)
+  fi
 
   mrl_log "job ${SLURM_JOB_ID:-none} (restart ${SLURM_RESTART_COUNT:-0}): stage '$stage' of $config"
   mrl_log "run dir $run_dir; trainer nodes ${train_hosts[*]} x $nproc; rollout: ${ROLLOUT_PLACEMENT:-colocated} ${rollout_hosts[*]}"
-  if [ "${DRY_RUN:-0}" = 1 ]; then printf '%q ' "${full[@]}"; echo; return 0; fi
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    [ "${#engine_cmd[@]}" -gt 0 ] && { printf '%q ' "${engine_cmd[@]}"; echo; }
+    printf '%q ' "${full[@]}"; echo; return 0
+  fi
   mkdir -p "$run_dir"
   export VENV="${VENV:-}" LAUNCHER="${LAUNCHER:-torchrun}"
   cd "$home" || return 2
@@ -167,6 +226,12 @@ mrl_main() {
   }
   trap '_mrl_stop USR1' USR1
   trap '_mrl_stop TERM' TERM
+  local engines=""
+  if [ "${#engine_cmd[@]}" -gt 0 ]; then
+    "${engine_cmd[@]}" &
+    engines=$!
+    mrl_log "engine step on ${rollout_hosts[*]} (srun pid $engines)"
+  fi
   "${full[@]}" &
   child=$!
   while :; do
@@ -176,6 +241,11 @@ mrl_main() {
   done
   trap - USR1 TERM
   mrl_log "trainer exited with $rc"
+  if [ -n "$engines" ]; then  # srun forwards TERM to the engine launchers, which stop their servers
+    kill -TERM "$engines" 2>/dev/null
+    wait "$engines" 2>/dev/null
+    mrl_log "engine step stopped"
+  fi
   local new_ckpt
   new_ckpt="$(find "$run_dir/$stage/checkpoints" -name trainer_state.json -newer "$started" 2>/dev/null | head -n 1)"
   rm -f "$MRL_STOP_FILE" "$started"

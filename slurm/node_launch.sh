@@ -2,6 +2,10 @@
 # One task per trainer node (started through srun by slurm/common.sh or the NeMo-Run launcher):
 # runs this node's trainer processes, given as arguments (a torchrun command, or with
 # LAUNCHER=direct one python process), and asks them to checkpoint and exit when the job must stop.
+# With MRL_ENGINE_ARGS set (`megatron-rl engines` arguments; slurm/common.sh sets them when the run
+# uses vLLM servers) it first starts this node's rollout engines, in their own session, and stops
+# them after the trainer exits (colocated placement). `node_launch.sh --engines` runs only the
+# engines, until TERM: a dedicated engine node's task.
 #
 # A stop is requested by any of:
 #   - USR1 or TERM to this script;
@@ -24,10 +28,22 @@ if [ -n "${VENV:-}" ]; then
   # shellcheck disable=SC1091
   source "$VENV/bin/activate"
 fi
-[ "$#" -gt 0 ] || { echo "usage: node_launch.sh COMMAND..." >&2; exit 2; }
+[ "$#" -gt 0 ] || { echo "usage: node_launch.sh COMMAND... | node_launch.sh --engines" >&2; exit 2; }
 if [ -n "${MEGATRON_RL_HOME:-}" ]; then cd "$MEGATRON_RL_HOME" || exit 2; fi
 
-log() { echo "[node_launch $(hostname -s) $(date +%H:%M:%S)] $*" >&2; }
+log() { echo "[node_launch ${MRL_NODE_NAME:-$(hostname -s)} $(date +%H:%M:%S)] $*" >&2; }
+
+# Engines and trainer agree on the node's name: Slurm's, when there is one.
+if [ -z "${MRL_NODE_NAME:-}" ] && [ -n "${SLURMD_NODENAME:-}" ]; then export MRL_NODE_NAME="$SLURMD_NODENAME"; fi
+engine_cmd=()
+if [ -n "${MRL_ENGINE_ARGS:-}" ]; then
+  eval "engine_cmd=(python -m megatron_rl.cli $MRL_ENGINE_ARGS)"
+fi
+if [ "$1" = "--engines" ]; then  # a dedicated engine node: only this node's vLLM servers, until TERM
+  [ "${#engine_cmd[@]}" -gt 0 ] || { log "--engines needs MRL_ENGINE_ARGS"; exit 2; }
+  log "starting this node's rollout engines"
+  exec "${engine_cmd[@]}"
+fi
 
 child=""
 requested=0
@@ -102,6 +118,24 @@ watch_for_stop() {  # in the background: turn the stop file / the time limit int
   done
 }
 
+# Colocated engines (the config's rollout.engine is vllm_server): this node's vLLM servers start first,
+# in their own session, and stop when the trainer has exited; the trainer finds them registered.
+engines=""
+if [ "${#engine_cmd[@]}" -gt 0 ]; then
+  setsid "${engine_cmd[@]}" &
+  engines=$!
+  export MRL_ENGINES_LAUNCHED=1
+  log "started this node's rollout engines (pid $engines)"
+fi
+stop_engines() {
+  [ -n "$engines" ] || return 0
+  kill -TERM -- "-$engines" 2>/dev/null
+  for _ in $(seq 60); do kill -0 "$engines" 2>/dev/null || break; sleep 0.5; done
+  kill -KILL -- "-$engines" 2>/dev/null
+  wait "$engines" 2>/dev/null
+  engines=""
+}
+
 (trap '' USR1; exec "$@") &
 child=$!
 watch_for_stop $$ &
@@ -112,6 +146,7 @@ while :; do
   [ "$interrupted" = 1 ] || break   # a trapped signal interrupted the wait: wait again
 done
 for pid in "${helpers[@]}"; do kill "$pid" 2>/dev/null; done
+stop_engines
 if [ "$requested" = 1 ] && [ "$rc" != 0 ] && [ "${LAUNCHER:-torchrun}" = torchrun ]; then
   rc=99
 fi

@@ -88,3 +88,12 @@ def export_hf_weights(arch: HFArch, chunks: list, groups: ParallelGroups,
                 dist.send(t.contiguous(), dst=0)
         for j, name in enumerate(rule.hf):
             yield name, (tensors[j] if groups.rank == 0 else None)
+
+
+def export_hf_metadata(arch: HFArch, chunks: list, groups: ParallelGroups, scheme: Scheme = "local"
+                       ) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """``(HF name, dtype, full shape)`` of every tensor :func:`export_hf_weights` yields, in its
+    order, without gathering anything (what a receiver sizes its buffers from)."""
+    dtype = next(chunks[0].parameters()).dtype
+    return [(name, dtype, tuple(hf_shape(arch, name)))
+            for rule, *_ in _export_plan(arch, groups, scheme) for name in rule.hf]

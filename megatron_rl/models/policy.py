@@ -36,7 +36,7 @@ from megatron_rl.models.batch import MicroBatch, PerSequence, SequenceBatch, pad
 from megatron_rl.models.config import PolicyConfig
 from megatron_rl.models.forward import PolicyForward, build_from_hf, params_dtype
 from megatron_rl.models.hf_config import HFArch
-from megatron_rl.models.hf_export import export_hf_weights
+from megatron_rl.models.hf_export import export_hf_metadata, export_hf_weights
 from megatron_rl.models.micro_batches import plan_micro_batches
 from megatron_rl.models.optimizer import wrap_for_training
 from megatron_rl.models.parallel import ParallelGroups
@@ -144,6 +144,11 @@ class MegatronPolicy(PolicyForward):
         every rank iterates to the end)."""
         return export_hf_weights(self.arch, [m.module for m in self.model], self.groups,
                                  scheme=self.layer_spec)
+
+    def export_hf_metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """``(HF name, dtype, shape)`` of what :meth:`export_hf_weights` yields, in order (local)."""
+        return export_hf_metadata(self.arch, [m.module for m in self.model], self.groups,
+                                  scheme=self.layer_spec)
 
     def export_hf_grads(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         """Like :meth:`export_hf_weights` for the gradients of the last :meth:`train_step`

@@ -1,39 +1,67 @@
-"""Rollout engines: the interface, its vLLM implementations and a factory."""
+"""Rollout engines: the interface, the in-process vLLM engine, vLLM servers and their fleet."""
 
-from megatron_rl.rollout.base import Completion, RolloutEngine, SamplingSpec
+from __future__ import annotations
+
+import time
+
+from megatron_rl.rollout.base import (PAUSE_MODES, UNKNOWN_VERSION, Completion, EngineDied, EngineError,
+                                      EngineTimeout, PauseMode, RolloutEngine, SamplingSpec)
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.pool import EnginePool
 
 
-def make_engines(model_path: str, cfg: RolloutConfig, *, seed: int = 0, **kwargs) -> list[RolloutEngine]:
-    """``cfg.num_engines`` engines (remote ones boot concurrently), named engine0, engine1, ..."""
-    if cfg.num_engines == 1:
-        return [make_engine(model_path, cfg, seed=seed, **kwargs)]
-    from megatron_rl.rollout.remote import RemoteEngine
-
-    engines = [RemoteEngine(model_path, cfg, seed=seed + i, name=f"engine{i}", wait=False, **kwargs)
-               for i in range(cfg.num_engines)]
-    for e in engines:
-        e.wait_ready()
-    return engines
-
-
-def make_engine(model_path: str, cfg: RolloutConfig, *, seed: int = 0, **kwargs) -> RolloutEngine:
-    """Build the engine ``cfg.engine`` names."""
+def make_engine(model_path: str, cfg: RolloutConfig, *, seed: int = 0, max_model_len: int | None = None,
+                registry_dir: str | None = None, names: list[str] | None = None) -> RolloutEngine:
+    """The engine ``cfg.engine`` names: the in-process engine, or the fleet of vLLM servers
+    (found in ``registry_dir`` when launched, or at ``cfg.server_urls``)."""
     if cfg.engine == "vllm" and cfg.async_.needs_streaming:
         from megatron_rl.rollout.streaming import StreamingVLLMEngine
 
-        return StreamingVLLMEngine(model_path, cfg, seed=seed, **kwargs)
+        return StreamingVLLMEngine(model_path, cfg, seed=seed, max_model_len=max_model_len)
     if cfg.engine == "vllm":
         from megatron_rl.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, cfg, seed=seed, **kwargs)
-    if cfg.engine == "vllm_remote":
-        from megatron_rl.rollout.remote import RemoteEngine  # noqa: F401  (issue 6)
-
-        return RemoteEngine(model_path, cfg, seed=seed, **kwargs)
+        return VLLMEngine(model_path, cfg, seed=seed, max_model_len=max_model_len)
+    if cfg.engine == "vllm_server":
+        return connect_fleet(cfg, registry_dir=registry_dir, names=names)
     raise ValueError(f"rollout.engine: unknown engine {cfg.engine!r}")
 
 
-__all__ = ["Completion", "EnginePool", "RolloutEngine", "SamplingSpec", "RolloutConfig", "make_engine",
-           "make_engines"]
+def connect_fleet(cfg: RolloutConfig, *, registry_dir: str | None = None, names: list[str] | None = None):
+    """Wait (up to ``rollout.start_timeout_s``) for the servers, then drive them as one fleet.
+
+    ``external``: the servers at ``cfg.server_urls``; otherwise the ``cfg.num_engines`` engines the
+    node launchers registered in ``registry_dir`` (exactly ``names`` when given)."""
+    from megatron_rl.rollout.fleet import EngineFleet
+    from megatron_rl.rollout.registry import EngineRegistry
+    from megatron_rl.rollout.server import VLLMServer, server_healthy
+
+    locate = None
+    if cfg.placement == "external":
+        servers = [VLLMServer(url, cfg, name=f"engine{i}") for i, url in enumerate(cfg.server_urls)]
+        deadline = time.monotonic() + cfg.start_timeout_s
+        while True:
+            missing = [s for s in servers if not s.health(timeout=5.0)]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise EngineError(f"rollout.server_urls: no answer from {[s.url for s in missing]} within "
+                                  f"rollout.start_timeout_s={cfg.start_timeout_s:g}s")
+            time.sleep(1.0)
+    else:
+        if not registry_dir:
+            raise ValueError("vllm_server engines launched per node need the registry directory")
+
+        registry = EngineRegistry(registry_dir)
+        records = registry.wait(cfg.num_engines, names, cfg.start_timeout_s, ready=lambda rec: server_healthy(rec.url))
+        servers = [VLLMServer(r.url, cfg, name=r.name, workers=r.workers) for r in records]
+
+        def locate(name: str) -> str | None:
+            rec = registry.records().get(name)
+            return rec.url if rec is not None else None
+    for server in servers:
+        server.connect()
+    return EngineFleet(servers, cfg, locate=locate)
+
+
+__all__ = ["PAUSE_MODES", "UNKNOWN_VERSION", "Completion", "EngineDied", "EngineError", "EngineTimeout",
+           "PauseMode", "RolloutConfig", "RolloutEngine", "SamplingSpec", "connect_fleet", "make_engine"]

@@ -1,16 +1,46 @@
-"""The rollout-engine interface: sample responses, take new weights, report their version.
+"""The rollout-engine interface, and the errors every engine raises.
 
-One abstract class, one file per implementation (``vllm_engine.py`` in-process, ``remote.py`` an
-engine in its own process), one factory (``megatron_rl.rollout.make_engine``).
+One abstract class, one file per implementation (``vllm_engine.py``: vLLM in the trainer's process,
+the CPU demo's and the unit tests' engine; ``server.py``: one vLLM server process driven over HTTP;
+``fleet.py``: many servers behind one engine, with straggler-aware dispatch), one factory
+(``megatron_rl.rollout.build_engine``).
+
+What the trainer and the weight sync use, and nothing else: ``name``, ``weight_version`` (the
+version the engine was last *verified* to hold, :data:`UNKNOWN_VERSION` after a failed sync),
+``health()``, ``generate()`` (a batch, in prompt order) and ``submit()`` (one prompt, awaitable:
+what continuous dispatch is built on), ``pause(mode)`` / ``resume()``, ``reset_prefix_cache()``,
+``sleep()`` / ``wake_up()``, ``score()`` (the weight sync's probe), ``pop_metrics()``, ``close()``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Literal
 
-import torch
+# The weight version of an engine whose last sync failed part-way: its weights are a mix of old
+# and new (or corrupted) tensors until the next successful sync. Rollouts tagged with it are void.
+UNKNOWN_VERSION = -1
+
+# vLLM's pause modes: "abort" in-flight requests (they return partial tokens, finish reason
+# "abort"), "wait" for them to finish, or "keep" them frozen until ``resume`` (same tokens as an
+# unpaused run).
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class EngineError(RuntimeError):
+    """An engine failed, died or did not answer in time; the message names the engine."""
+
+
+class EngineDied(EngineError):
+    """The engine's process is gone (or refuses connections)."""
+
+
+class EngineTimeout(EngineError):
+    """The engine did not answer within its timeout (hung, stopped, or overloaded)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,14 +52,18 @@ class SamplingSpec:
     top_p: float = 1.0
     top_k: int = -1  # -1: off
     max_tokens: int = 64
-    # Base seed: prompt i of the list is sampled with seed + i (None: engine RNG). Each prompt gets
-    # its own stream, so prompts are not sampled with the same random draws, and a split of the list
-    # across engines (shifting ``seed`` by each share's start) samples exactly what one engine would.
+    # Base seed: prompt i of a batch is sampled with seed + i (None: engine RNG), and its sample j
+    # with seed + i + j (vLLM's rule for n > 1). Each prompt gets its own stream, so prompts are not
+    # sampled with the same draws, and whichever engine serves prompt i samples the same responses.
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
 
     def prompt_seed(self, i: int) -> int | None:
         return None if self.seed is None else (self.seed + i) % (2**31 - 1)
+
+    def for_prompt(self, i: int) -> "SamplingSpec":
+        """The spec of prompt ``i`` of a batch sent alone: its own seed, as prompt 0."""
+        return self if self.seed is None else dataclasses.replace(self, seed=self.prompt_seed(i))
 
 
 @dataclass(kw_only=True)
@@ -49,6 +83,8 @@ class Completion:
     # by one weight version, oldest first (vLLM's WeightVersionSpan). Empty: every token at
     # ``weight_version``.
     version_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # Which engine sampled it.
+    engine: str = ""
     extra: dict = field(default_factory=dict)
 
     def token_versions(self) -> list[int]:
@@ -73,17 +109,32 @@ class Completion:
 class RolloutEngine(ABC):
     """A generation engine whose weights the trainer replaces after every update."""
 
+    name: str = "engine"
+    # The version of the weights this engine was last verified to hold (UNKNOWN_VERSION: unknown).
     weight_version: int = 0
 
     @abstractmethod
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
-        """``sampling.n`` completions for every prompt, in prompt order."""
+        """``sampling.n`` completions for every prompt, in prompt order (prompt i: seed + i)."""
 
-    @abstractmethod
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
-        """Load HF-named full tensors in place, reset the prefix cache, set ``weight_version``.
+    async def submit(self, prompt_ids: list[int], sampling: SamplingSpec) -> list[Completion]:
+        """``sampling.n`` completions of one prompt, sampled with ``sampling.seed`` (awaitable).
 
-        Returns metrics (bytes, tensors, seconds)."""
+        Default: a one-prompt ``generate`` in a worker thread (engines with their own event loop
+        override this)."""
+        return (await asyncio.to_thread(self.generate, [prompt_ids], sampling))[0]
+
+    def health(self) -> bool:
+        """True if the engine answers (a cheap liveness check with a short timeout)."""
+        return True
+
+    def set_weight_version(self, version: int) -> None:
+        """Record (and, for a server, tell the engine) the version its weights are known to be."""
+        self.weight_version = version
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Teacher-forced log-probs of ``token_ids[1:]`` at T = 1 (the weight sync's probe)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score a sequence")
 
     def score(self, token_ids: list[int]) -> list[float]:
         """Teacher-forced log-probs of ``token_ids[1:]`` at T = 1 (the weight sync's probe)."""
@@ -93,11 +144,23 @@ class RolloutEngine(ABC):
     def reset_prefix_cache(self) -> None:
         """Drop cached prefixes (they were computed with older weights)."""
 
-    def sleep(self) -> None:  # free KV cache while the trainer runs (colocated mode)
+    def pause(self, mode: PauseMode = "keep") -> None:
+        """Stop scheduling: ``abort``, ``wait`` for or ``keep`` (freeze) in-flight requests."""
+        raise EngineError(f"engine {self.name}: pause is not supported by {type(self).__name__}")
+
+    def resume(self) -> None:
+        """Resume scheduling after ``pause``."""
+        raise EngineError(f"engine {self.name}: resume is not supported by {type(self).__name__}")
+
+    def sleep(self) -> None:  # free KV cache (and offload weights) while the trainer runs (colocated)
         pass
 
     def wake_up(self) -> None:
         pass
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Counters since the last call (``rollout/...``), e.g. re-sent requests."""
+        return {}
 
     def close(self) -> None:
         pass

@@ -1,10 +1,13 @@
-"""Rollout configuration: how responses are sampled and how the engine is set up."""
+"""Rollout configuration: how responses are sampled and where the engines run."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from megatron_rl.config.base import ConfigBase
+
+ENGINES = ("vllm", "vllm_server")
+PLACEMENTS = ("colocated", "dedicated", "external")
 
 
 @dataclass(kw_only=True)
@@ -56,11 +59,35 @@ class AsyncConfig(ConfigBase):
 
 @dataclass(kw_only=True)
 class RolloutConfig(ConfigBase):
-    # Which engine: "vllm" (in-process, the CPU demo) or "vllm_remote" (own process; see sync/).
+    # Which engine: "vllm" (one engine in the trainer's process: the CPU demo) or "vllm_server"
+    # (vLLM server processes driven over HTTP through vLLM's RL API; see ``placement``).
     engine: str = "vllm"
-    # Data-parallel engine replicas; each step's prompts are split among them. More than one needs
-    # engine "vllm_remote" (each engine in its own process).
+    # vllm_server: where the servers run. "colocated": every trainer node starts the engines for its
+    # own GPUs (slurm/node_launch.sh, or the trainer itself when no launcher did); "dedicated": the
+    # ROLLOUT_NODES hosts run them as their own srun step; "external": servers you run, at
+    # ``server_urls``.
+    placement: str = "colocated"
+    # vllm_server: data-parallel engines the trainer waits for (all nodes together); each is one
+    # vLLM server with vLLM TP = ``tensor_parallel_size``. 0: every node's ``engines_per_node``
+    # (colocated: the trainer's nodes; dedicated: ``hosts``).
     num_engines: int = 1
+    # vllm_server (colocated / dedicated): engines each node's launcher starts.
+    engines_per_node: int = 1
+    # vllm_server, external: base URLs of the servers (e.g. ["http://10.0.0.5:8000"]).
+    server_urls: list[str] = field(default_factory=list)
+    # vllm_server, dedicated: the hosts that run engines (set by the sbatch scripts); the trainer
+    # then names the engines that did not come up. Empty: only their number is checked.
+    hosts: list[str] = field(default_factory=list)
+    # vllm_server: directory where launched engines register (host, port, model, version); empty:
+    # RUN_DIR/engines.
+    registry_dir: str = ""
+    # vllm_server: seconds to wait for the engines to register and answer /health at start-up.
+    start_timeout_s: float = 900.0
+    # vllm_server: seconds a control call (/health, /pause, /reset_prefix_cache, ...) may take.
+    control_timeout_s: float = 30.0
+    # vllm_server: sequences one engine is given at a time (requests wait for the least loaded
+    # engine beyond that, so a slow engine gets fewer); 0: ``max_num_seqs``.
+    max_inflight_seqs: int = 0
     # Prompts per step (the seed's rollout batch size).
     rollout_batch_size: int = 64
     # Responses sampled per prompt (the GRPO group size).
@@ -87,7 +114,9 @@ class RolloutConfig(ConfigBase):
     enforce_eager: bool = True
     # vLLM: maximum sequences batched together.
     max_num_seqs: int = 256
-    # Seconds a generate call may take before it is treated as a hung engine.
+    # Seconds one generation request (or, in-process, one generate call) may take before its engine
+    # is treated as hung; a server that does not answer in time is marked down and its requests go
+    # to the other engines.
     timeout_s: float = 600.0
     # Greedy evaluation: how many tokens the evaluation may generate (defaults to max_response_len).
     eval_max_tokens: int | None = None
@@ -96,25 +125,48 @@ class RolloutConfig(ConfigBase):
 
     def validate(self) -> None:
         super().validate()
-        if self.engine not in ("vllm", "vllm_remote"):
-            self.fail("engine", f"must be 'vllm' or 'vllm_remote', got {self.engine!r}")
-        if self.num_engines > 1 and self.engine != "vllm_remote":
-            self.fail("num_engines", f"{self.num_engines} engines need engine='vllm_remote' (one process each)")
-        for name in ("num_engines", "rollout_batch_size", "group_size", "max_response_len", "max_prompt_len",
-                     "tensor_parallel_size", "max_num_seqs"):
+        if self.engine not in ENGINES:
+            self.fail("engine", f"must be one of {list(ENGINES)}, got {self.engine!r}")
+        if self.placement not in PLACEMENTS:
+            self.fail("placement", f"must be one of {list(PLACEMENTS)}, got {self.placement!r}")
+        if self.engine == "vllm" and self.num_engines != 1:
+            self.fail("num_engines", f"{self.num_engines} engines need engine='vllm_server' "
+                                     "(the in-process engine is one)")
+        if self.engine == "vllm_server" and self.placement == "external":
+            if not self.server_urls:
+                self.fail("server_urls", "placement 'external' needs the servers' URLs")
+            for i, url in enumerate(self.server_urls):
+                if not url.startswith(("http://", "https://")):
+                    self.fail("server_urls", f"entry {i} must start with http:// or https://, got {url!r}")
+            if self.num_engines not in (0, 1, len(self.server_urls)):
+                self.fail("num_engines", f"is {self.num_engines} but server_urls lists "
+                                         f"{len(self.server_urls)} servers")
+        self.check_range("num_engines", lo=0)
+        if self.num_engines == 0 and not (self.engine == "vllm_server" and self.placement != "external"):
+            self.fail("num_engines", "0 (every node's engines) needs engine='vllm_server' launched per node")
+        for name in ("engines_per_node", "rollout_batch_size", "group_size",
+                     "max_response_len", "max_prompt_len", "tensor_parallel_size", "max_num_seqs"):
             self.check_range(name, lo=1)
+        self.check_range("max_inflight_seqs", lo=0)
         self.check_range("temperature", lo=0.0, lo_open=True)
         self.check_range("top_p", lo=0.0, hi=1.0, lo_open=True)
         if self.top_k == 0 or self.top_k < -1:
             self.fail("top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
-        self.check_range("timeout_s", lo=0.0, lo_open=True)
+        for name in ("timeout_s", "start_timeout_s", "control_timeout_s"):
+            self.check_range(name, lo=0.0, lo_open=True)
         self.check_range("kv_cache_bytes", lo=0)
         self.check_range("gpu_memory_utilization", lo=0.0, hi=1.0, lo_open=True)
         self.check_range("eval_max_tokens", lo=1)
-        if self.async_.needs_streaming and (self.engine != "vllm" or self.num_engines != 1):
+        if self.async_.needs_streaming and self.engine != "vllm":
             what = "partial_rollout" if self.async_.partial_rollout else "oversample"
             self.async_.fail(what, "needs an engine that loads weights with requests in flight and stops them "
-                              "early: rollout.engine='vllm' (the in-process engine, one); remote engines "
-                              f"get it with the server fleet (issue 11), got engine={self.engine!r} x "
-                              f"{self.num_engines}")
+                              "early: rollout.engine='vllm' (the in-process engine); the server fleet has "
+                              "pause(mode='keep') / resume and per-token weight versions to build it on, "
+                              f"not wired into the scheduler yet; got engine={self.engine!r}")
 
+    def expected_engines(self) -> int:
+        """How many engines the trainer waits for."""
+        return len(self.server_urls) if self.placement == "external" else self.num_engines
+
+    def inflight_seqs(self) -> int:
+        return self.max_inflight_seqs or self.max_num_seqs

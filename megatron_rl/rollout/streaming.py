@@ -30,9 +30,9 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
-from megatron_rl.rollout.base import Completion, RolloutEngine, SamplingSpec
+from megatron_rl.rollout.base import Completion, EngineTimeout, RolloutEngine, SamplingSpec
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.vllm_engine import EngineTimeout, VLLMEngine
+from megatron_rl.rollout.vllm_engine import VLLMEngine
 
 log = logging.getLogger("megatron_rl")
 
@@ -276,7 +276,7 @@ class StreamingVLLMEngine(VLLMEngine, GroupStream):
 
         def load():
             engine = self.llm.llm_engine
-            self.llm.collective_rpc("mrl_load_weights", args=(tensors,))
+            self.reload(tensors)
             # Running requests are preempted and recomputed: their KV (old weights) is dropped.
             engine.reset_prefix_cache(reset_running_requests=True)
             engine.set_weight_version(str(version))

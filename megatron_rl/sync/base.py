@@ -1,20 +1,27 @@
-"""The weight-sync interface: one abstract class, one file per transport, one factory."""
+"""The weight-sync interface: one abstract class, one file per transport, one registry.
+
+The registry (:data:`megatron_rl.sync.registry.TRANSPORTS`) names each transport's module, imported
+only when that transport is built, so this file imports none of them and they can import it. Each
+transport module defines ``build(config, engines, *, sender, metadata)``.
+"""
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import importlib
+import json
 from collections.abc import Iterable, Sequence
 
 import torch
 
+from megatron_rl.rollout.base import UNKNOWN_VERSION  # noqa: F401  (re-exported: the sync sets it)
 from megatron_rl.sync.config import SyncConfig
+from megatron_rl.sync.registry import TRANSPORTS, Transport
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
-
-# The weight version of an engine whose last sync failed part-way: its weights are a mix of old
-# and new (or corrupted) tensors until the next successful sync. Rollouts tagged with it are void.
-UNKNOWN_VERSION = -1
+# (HF name, dtype, shape) of every tensor a sync sends, in export order.
+Metadata = Sequence[tuple[str, torch.dtype, tuple[int, ...]]]
 
 
 class SyncError(RuntimeError):
@@ -26,7 +33,8 @@ class SyncTimeout(SyncError):
 
 
 class SyncMismatch(SyncError):
-    """An engine's checksum of a tensor differs from the sender's."""
+    """What an engine received or computes differs from what was sent (checksum of a packed bucket,
+    the probe's log-probs)."""
 
 
 @dataclasses.dataclass
@@ -38,29 +46,34 @@ class SyncMetrics:
     bytes: int = 0
     tensors: int = 0
     buckets: int = 0
+    # Engines that hold ``version`` after this sync, verified; and those that failed it.
     engines: int = 0
+    failed_engines: int = 0
     verified: bool = False
+    # Seconds the sender spent hashing buckets (overlapped with the transfer).
+    verify_seconds: float = 0.0
+    # Every engine that took part and is still reachable holds the new version (else: sync again).
+    complete: bool = True
+    # engine name -> why it failed this sync.
+    failures: dict[str, str] = dataclasses.field(default_factory=dict)
+    # With a probe (``sync.verify``): the largest mean / max |engine - trainer| log-prob gap of the
+    # probe sequence over the engines that passed it (None: no probe).
+    probe_gap_mean: float | None = None
+    probe_gap_max: float | None = None
+
+    def add_probe_gap(self, gap: dict) -> None:
+        self.probe_gap_mean = max(gap["mean"], self.probe_gap_mean or 0.0)
+        self.probe_gap_max = max(gap["max"], self.probe_gap_max or 0.0)
 
     def as_dict(self) -> dict[str, float]:
         gb_s = self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-        return {"sync/seconds": self.seconds, "sync/bytes": float(self.bytes),
+        probe = ({} if self.probe_gap_mean is None else
+                 {"sync/probe_gap_mean": self.probe_gap_mean, "sync/probe_gap_max": self.probe_gap_max})
+        return {**probe, "sync/seconds": self.seconds, "sync/bytes": float(self.bytes),
                 "sync/tensors": float(self.tensors), "sync/buckets": float(self.buckets),
-                "sync/gb_per_s": gb_s, "sync/version": float(self.version)}
-
-
-def compare_checksums(engine: str, expected: dict[str, int], got: dict[str, int]) -> None:
-    """Raise :class:`SyncMismatch` naming ``engine`` and the first differing tensor."""
-    missing = sorted(set(expected) - set(got))
-    if missing:
-        raise SyncMismatch(f"engine {engine}: tensor {missing[0]!r} was not received "
-                           f"({len(missing)} missing)")
-    extra = sorted(set(got) - set(expected))
-    if extra:
-        raise SyncMismatch(f"engine {engine}: received unexpected tensor {extra[0]!r}")
-    bad = [name for name in expected if expected[name] != got[name]]
-    if bad:
-        raise SyncMismatch(f"engine {engine}: checksum mismatch on tensor {bad[0]!r} "
-                           f"({len(bad)} of {len(expected)} tensors differ)")
+                "sync/gb_per_s": gb_s, "sync/version": float(self.version),
+                "sync/engines": float(self.engines), "sync/failed_engines": float(self.failed_engines),
+                "sync/verify_seconds": self.verify_seconds}
 
 
 def drain(named_tensors: NamedTensors, version: int) -> SyncMetrics:
@@ -70,57 +83,32 @@ def drain(named_tensors: NamedTensors, version: int) -> SyncMetrics:
     return SyncMetrics(version=version)
 
 
-def invalidate(engines, timeout_s: float) -> None:
-    """Tag every live engine :data:`UNKNOWN_VERSION` after a failed sync (best effort: an engine
-    that cannot be reached is dead and will be restarted anyway)."""
-    for engine in engines:
-        if not getattr(engine, "alive", True):
-            continue
-        try:
-            engine.set_weight_version(UNKNOWN_VERSION, timeout_s=timeout_s)
-        except Exception:  # noqa: BLE001 - the sync's own error is the one to report
-            pass
-
-
-def commit(replies: list, expected: dict[str, int], version: int, verify: bool,
-           timeout_s: float) -> None:
-    """After a transfer: check every engine worker's checksums, then reset prefix caches and tag
-    the new ``version`` (only once every engine has verified, so no engine is tagged too early).
-
-    ``replies`` pairs each engine with its per-worker results (``{"checksums": ...}`` each).
-    """
-    if verify:
-        try:
-            for engine, per_worker in replies:
-                for rank, reply in enumerate(per_worker):
-                    compare_checksums(f"{engine.name} (worker {rank})", expected,
-                                      reply["checksums"])
-        except SyncMismatch:
-            invalidate([engine for engine, _ in replies], timeout_s)
-            raise
-    for engine, _ in replies:
-        engine.reset_prefix_cache()
-        engine.set_weight_version(version, timeout_s=timeout_s)
-
-
 class WeightSync(abc.ABC):
     """Moves HF-named weights from the trainer to every rollout engine.
 
-    Lifecycle: ``connect()`` once (forms the transport's group), ``sync(...)`` after every update,
-    ``close()`` at the end. After an engine restarts, ``close()`` then ``connect()`` re-forms it.
-    ``sync`` is called on every trainer rank (the export iterator is collective); only the sending
-    rank moves data, the others drain the iterator.
+    Lifecycle: ``connect()`` once (forms the transport), ``sync(...)`` after every update,
+    ``close()`` at the end. ``sync`` is called on every trainer rank (the export iterator is
+    collective); only the sending rank moves data, the others drain the iterator. A sync whose
+    ``complete`` is false left some reachable engine without the new weights: sync again (with a
+    fresh export), which re-forms the transport around the engines that are left.
     """
 
     def __init__(self, config: SyncConfig):
         self.config = config
+        # The trainer's side of the probe every engine must match after loading (sync.verify;
+        # megatron_rl.sync.probe.ProbeReference); set by the trainer before each sync, None: no probe.
+        self.probe = None
+
+    def set_probe(self, reference) -> None:
+        """What the engines must compute after the next syncs (the weights they send)."""
+        self.probe = reference
 
     def connect(self) -> None:
         """Form the transport (process group, handles). Idempotent."""
 
     @abc.abstractmethod
     def sync(self, named_tensors: NamedTensors, version: int) -> SyncMetrics:
-        """Send all tensors, have engines load them and reset prefix caches, tag ``version``."""
+        """Send all tensors, have engines load and verify them, reset prefix caches, tag ``version``."""
 
     def close(self) -> None:
         """Tear the transport down; engines stay up."""
@@ -133,20 +121,33 @@ class WeightSync(abc.ABC):
         self.close()
 
 
-def build_weight_sync(config: SyncConfig, engines: Sequence, *, sender: bool = True) -> WeightSync:
-    """The transport named by ``config.transport`` for ``engines``.
+def transport(name: str) -> Transport:
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown sync transport {name!r}; transports are {sorted(TRANSPORTS)}")
+    return TRANSPORTS[name]
+
+
+def build_weight_sync(config: SyncConfig, engines, *, sender: bool = True,
+                      metadata: Metadata | None = None) -> WeightSync:
+    """The transport named by ``config.transport`` for ``engines`` (a list of in-process engines, or
+    the fleet of servers).
 
     ``sender`` says whether this trainer rank holds the full exported tensors (global rank 0);
-    other ranks only drain the export iterator.
+    other ranks only take part in the export. ``metadata`` lists what each sync sends (the server
+    transports need it up front: the engines plan their receive buffers from it).
     """
     config.validate()
-    if config.transport == "inprocess":
-        from megatron_rl.sync.inprocess import InProcessWeightSync
-        return InProcessWeightSync(config, engines, sender=sender)
-    if config.transport in ("gloo", "nccl"):
-        from megatron_rl.sync.collective import CollectiveWeightSync
-        return CollectiveWeightSync(config, engines, sender=sender)
-    if config.transport == "cuda_ipc":
-        from megatron_rl.sync.cuda_ipc import CudaIpcWeightSync
-        return CudaIpcWeightSync(config, engines, sender=sender)
-    raise AssertionError(config.transport)  # validate() rejected anything else
+    module = importlib.import_module(transport(config.transport).module)
+    return module.build(config, engines, sender=sender, metadata=metadata)
+
+
+def server_args(config: SyncConfig) -> tuple[list[str], dict[str, str]]:
+    """Extra vLLM server arguments and environment for ``config.transport``."""
+    t = transport(config.transport)
+    if t.backend is None:
+        raise ValueError(f"sync.transport {config.transport!r} does not drive vLLM servers; use one of "
+                         f"{sorted(n for n, x in TRANSPORTS.items() if x.backend)}")
+    args = ["--weight-transfer-config", json.dumps({"backend": t.backend})]
+    if t.worker_extension:
+        args += ["--worker-extension-cls", t.worker_extension]
+    return args, dict(t.server_env)

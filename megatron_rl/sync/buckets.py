@@ -1,97 +1,53 @@
-"""Flat buckets of HF-named tensors: plan, pack, unpack, checksum.
+"""Packed buckets of HF-named tensors: the plan both ends compute, packing, and the bucket checksum.
 
-A bucket is one contiguous ``uint8`` buffer holding whole tensors of one dtype, each starting at a
-64-byte aligned offset, plus a small header (:class:`BucketMeta`: names, shapes, dtypes, offsets)
-that travels ahead of it. Tensors are grouped per dtype while streaming from the export iterator;
-a tensor larger than a bucket travels alone, straight from its own storage (no copy).
+A bucket is one contiguous ``uint8`` buffer holding whole tensors of one dtype back to back (one
+dtype per bucket keeps every tensor's offset a multiple of its element size, so vLLM's
+``unpack_tensor`` can view the bytes in place). Tensors are grouped per dtype while streaming from
+the export iterator; a tensor larger than a bucket travels alone, straight from its own storage.
+The sender and every receiver run the same :func:`group_by_dtype` over the same metadata, so they
+cut the stream into the same buckets without any header on the wire.
 
-The checksum is an order-sensitive integer hash of a tensor's bytes computed with torch ops, so
-it gives the same value on CPU and GPU and on both ends of a transfer.
+The checksum is an order-sensitive integer hash of a bucket's bytes computed with torch ops, so it
+gives the same value on CPU and GPU and on both ends of a transfer; one per bucket (not one per
+tensor) keeps verification a small fraction of the transfer.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-ALIGN = 64
 _MASK64 = (1 << 64) - 1
 _ROW = 1024  # words per row of the checksum's 2-D weighting
 
-
-def aligned(nbytes: int) -> int:
-    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+Named = tuple[str, torch.Tensor]
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in a bucket header")
-    return dtype
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's storage as a flat ``uint8`` view (made contiguous first if needed)."""
-    flat = tensor.contiguous().reshape(-1)
-    return flat.view(torch.uint8)
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorMeta:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-@dataclasses.dataclass(frozen=True)
-class BucketMeta:
-    """Header of one bucket: where each tensor lies in the flat buffer."""
-
-    index: int
-    nbytes: int
-    tensors: tuple[TensorMeta, ...]
-
-    def encode(self) -> bytes:
-        rows = [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes] for t in self.tensors]
-        return json.dumps({"i": self.index, "n": self.nbytes, "t": rows}).encode()
-
-    @classmethod
-    def decode(cls, raw: bytes) -> "BucketMeta":
-        obj = json.loads(raw.decode())
-        tensors = tuple(TensorMeta(n, d, tuple(s), o, b) for n, d, s, o, b in obj["t"])
-        return cls(index=obj["i"], nbytes=obj["n"], tensors=tensors)
-
-
-def layout(items: list[tuple[str, torch.Tensor]], index: int) -> BucketMeta:
-    """Offsets of ``items`` packed back to back at aligned offsets."""
-    metas, offset = [], 0
-    for name, tensor in items:
-        metas.append(TensorMeta(name, str(tensor.dtype).removeprefix("torch."),
-                                tuple(tensor.shape), offset, tensor.numel() * tensor.element_size()))
-        offset += aligned(metas[-1].nbytes)
-    return BucketMeta(index=index, nbytes=offset, tensors=tuple(metas))
-
-
-def group_by_dtype(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                   bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def group_by_dtype(named_tensors: Iterable[Named], bucket_bytes: int) -> Iterator[list[Named]]:
     """Stream ``(name, tensor)`` into lists that fit one bucket each, one dtype per list.
 
     One list is open per dtype; it is emitted when the next tensor of its dtype would overflow it.
-    A tensor larger than ``bucket_bytes`` is emitted alone at once. Names must be unique.
+    A tensor larger than ``bucket_bytes`` is emitted alone at once. Names must be unique. Works on
+    ``meta`` tensors too: a receiver plans from the metadata alone.
     """
-    open_lists: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    open_lists: dict[torch.dtype, list[Named]] = {}
     used: dict[torch.dtype, int] = {}
     seen: set[str] = set()
     for name, tensor in named_tensors:
         if name in seen:
             raise ValueError(f"tensor {name!r} exported twice in one sync")
         seen.add(name)
-        size = aligned(tensor.numel() * tensor.element_size())
+        size = nbytes(tensor)
         if size > bucket_bytes:
             yield [(name, tensor)]
             continue
@@ -104,35 +60,35 @@ def group_by_dtype(named_tensors: Iterable[tuple[str, torch.Tensor]],
     yield from (items for items in open_lists.values() if items)
 
 
-def pack(items: list[tuple[str, torch.Tensor]], index: int,
-         buffer: torch.Tensor | None) -> tuple[BucketMeta, torch.Tensor]:
-    """Copy ``items`` into ``buffer`` (``uint8``) and return the header and the used slice.
+def meta_tensors(names: Sequence[str], dtype_names: Sequence[str],
+                 shapes: Sequence[Sequence[int]]) -> Iterator[Named]:
+    """``(name, meta tensor)`` for a transfer's metadata (what a receiver plans with)."""
+    for name, dtype, shape in zip(names, dtype_names, shapes, strict=True):
+        yield name, torch.empty(tuple(shape), dtype=getattr(torch, dtype), device="meta")
 
-    A single tensor that does not fit ``buffer`` (or ``buffer=None``) is returned as a byte view
-    of its own storage, without a copy.
+
+def bucket_nbytes(items: list[Named]) -> int:
+    return sum(nbytes(t) for _, t in items)
+
+
+def pack(items: list[Named], buffer: torch.Tensor | None) -> torch.Tensor:
+    """Copy ``items`` back to back into ``buffer`` (``uint8``); returns the used slice.
+
+    A single tensor that does not fit ``buffer`` (or ``buffer=None``) is returned as a byte view of
+    its own storage, without a copy.
     """
-    meta = layout(items, index)
-    if buffer is None or meta.nbytes > buffer.numel():
+    size = bucket_nbytes(items)
+    if buffer is None or size > buffer.numel():
         if len(items) != 1:
-            raise ValueError(f"bucket {index} needs {meta.nbytes} bytes, buffer has "
+            raise ValueError(f"a bucket of {len(items)} tensors needs {size} bytes, the buffer has "
                              f"{0 if buffer is None else buffer.numel()}")
-        return meta, as_bytes(items[0][1])
-    for (_, tensor), tmeta in zip(items, meta.tensors):
-        dst = buffer[tmeta.offset:tmeta.offset + tmeta.nbytes]
-        dst.copy_(as_bytes(tensor.detach()), non_blocking=True)
-    return meta, buffer[:meta.nbytes]
-
-
-def unpack(meta: BucketMeta, data: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """Views of each tensor of the bucket ``data`` (``uint8``), named as in the header."""
-    if data.numel() < meta.nbytes and len(meta.tensors) > 1:
-        raise ValueError(f"bucket {meta.index}: {data.numel()} bytes received, header says "
-                         f"{meta.nbytes}")
-    out = []
-    for t in meta.tensors:
-        raw = data[t.offset:t.offset + t.nbytes]
-        out.append((t.name, raw.view(dtype_from_name(t.dtype)).view(t.shape)))
-    return out
+        return as_bytes(items[0][1].detach())
+    offset = 0
+    for _, tensor in items:
+        n = nbytes(tensor)
+        buffer[offset:offset + n].copy_(as_bytes(tensor.detach()), non_blocking=True)
+        offset += n
+    return buffer[:size]
 
 
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
@@ -147,7 +103,7 @@ def _weights(n: int, device: torch.device) -> torch.Tensor:
     return w[:n]
 
 
-def _hash(tensor: torch.Tensor) -> torch.Tensor:
+def hash_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The checksum of :func:`checksum` as a 0-d int64 tensor on the tensor's device (no sync)."""
     raw = as_bytes(tensor)
     dev = raw.device
@@ -155,7 +111,7 @@ def _hash(tensor: torch.Tensor) -> torch.Tensor:
     words = raw[:n_words * 8].view(torch.int64)
     tail = raw[n_words * 8:].to(torch.int64)
     rows = n_words // _ROW
-    if rows == 0:  # small tensor: one weighted pass
+    if rows == 0:  # small: one weighted pass
         total = words.sum() + tail.sum()
         weighted = (words * _weights(n_words, dev)).sum()
     else:
@@ -177,16 +133,4 @@ def checksum(tensor: torch.Tensor) -> int:
     row index with column sums weighted by column index, so a changed, moved or swapped word
     changes it. Integer sums wrap modulo 2**64 in any order, hence device-independent.
     """
-    return int(_hash(tensor)) & _MASK64
-
-
-def checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
-    """:func:`checksum` of many tensors with one device sync (what the transports hash)."""
-    names, hashes = [], []
-    for name, tensor in named:
-        names.append(name)
-        hashes.append(_hash(tensor))
-    if not hashes:
-        return {}
-    values = torch.stack(hashes).tolist()
-    return {n: v & _MASK64 for n, v in zip(names, values)}
+    return int(hash_tensor(tensor)) & _MASK64

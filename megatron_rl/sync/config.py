@@ -1,48 +1,53 @@
-"""Configuration of the trainer → rollout-engine weight sync."""
+"""Configuration of the trainer -> rollout-engine weight sync."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 from megatron_rl.config.base import ConfigBase
-
-TRANSPORTS = ("inprocess", "gloo", "nccl", "cuda_ipc")
+from megatron_rl.sync.registry import TRANSPORTS
 
 
 @dataclasses.dataclass(kw_only=True)
 class SyncConfig(ConfigBase):
     """How the trained weights reach the rollout engines after every update."""
 
-    # Transport: "inprocess" (engine lives in the trainer's process, CPU demo), "gloo" (engines in
-    # their own processes, CPU collectives), "nccl" (engines in their own processes, GPU
-    # collectives), "cuda_ipc" (engine colocated on the trainer's GPU; CUDA IPC handles).
-    transport: Literal["inprocess", "gloo", "nccl", "cuda_ipc"] = "inprocess"
-    # Size of one flat bucket in bytes. Tensors are packed per dtype into buckets of this size; a
-    # tensor larger than a bucket travels alone. Anchors: slime 512 MiB, verl 2 GiB.
+    # Transport: "inprocess" (the engine lives in the trainer's process: the CPU demo); for vLLM
+    # servers (rollout.engine=vllm_server), vLLM's weight-transfer protocol over its RL routes with
+    # the backend "gloo" (ours, CPU), "nccl" (vLLM's, GPUs) or "ipc" (vLLM's CUDA IPC: servers on
+    # the trainer's own GPUs).
+    transport: str = "inprocess"
+    # Size of one packed bucket in bytes. Tensors are packed per dtype into buckets of this size; a
+    # tensor larger than a bucket travels alone. Anchors: slime 512 MiB, verl 2 GiB; on CPU (gloo)
+    # 16-64 MiB pipelines better (benchmarks/RESULTS.md).
     bucket_bytes: int = 512 * 1024 * 1024
     # Upper bound in seconds on every wait of a sync (group formation, each collective, each engine
-    # reply). An engine that dies or hangs makes the sender raise within about this time.
+    # reply). An engine that dies or hangs makes the sender give up on it within about this time.
     timeout_s: float = 120.0
-    # After a sync, check it: the checksum of every tensor each engine received against the
-    # sender's, each engine's weight version, and what the engines compute (probe_tolerance); raise
-    # on any mismatch, naming the engine (and the tensor).
+    # Verify every sync: what each engine received (one checksum per packed bucket compared with
+    # the sender's, gloo), the version it reports, and what it computes (probe_tolerance); an
+    # engine that fails holds an unknown version and serves nothing until a later sync succeeds.
     verify: bool = True
     # With verify: after a sync every engine scores a fixed probe sequence and the trainer compares
-    # those log-probs with its own; a mean absolute gap above this fails the sync (catches a stale
-    # copy, cache or missing tensor that checksums cannot see). null: 1e-4 for float32 engines,
-    # 3e-2 for half precision (rollout.dtype).
+    # those log-probs with its own; a mean absolute gap above this fails the sync on that engine
+    # (catches a stale copy, cache or missing tensor that checksums cannot see). null: 1e-4 for
+    # float32 engines, 3e-2 for half precision (rollout.dtype).
     probe_tolerance: float | None = None
-    # Host the sender's rendezvous store binds to; engines connect to it (collective transports).
+    # Host the sender's rendezvous store binds to; engines connect to it (must be reachable from
+    # every engine: the sbatch scripts set the trainer's first host).
     master_addr: str = "127.0.0.1"
+    # When a sync leaves some reachable engine without the new weights (another engine died
+    # mid-transfer, a checksum differed), sync again with a fresh export up to this many times.
+    retries: int = 1
 
     def validate(self) -> None:
         super().validate()
         if self.transport not in TRANSPORTS:
-            self.fail("transport", f"must be one of {list(TRANSPORTS)}, got {self.transport!r}")
+            self.fail("transport", f"must be one of {sorted(TRANSPORTS)}, got {self.transport!r}")
         if self.bucket_bytes < 1024:
             self.fail("bucket_bytes", f"must be >= 1024 bytes, got {self.bucket_bytes!r}")
         self.check_range("timeout_s", lo=0.0, lo_open=True)
+        self.check_range("retries", lo=0)
         if self.probe_tolerance is not None:
             self.check_range("probe_tolerance", lo=0.0, lo_open=True)
         if not self.master_addr:

@@ -1,42 +1,30 @@
-"""The dedicated sync process group and the bucket wire protocol on it.
+"""The dedicated weight-transfer process group of the gloo backend (:mod:`megatron_rl.sync.gloo`).
 
-Choice: a plain torch.distributed ``TCPStore`` + ``ProcessGroupGloo`` / ``ProcessGroupNCCL``
-object built directly (no ``init_process_group``), so it never touches the trainer's default group
-nor vLLM's own groups inside the engine workers. The sender is rank 0 and hosts the store on a free
-port; engine workers are ranks 1..N. A re-formed group gets a fresh store and port.
-
-Per bucket the sender broadcasts three messages: a 3-word int64 header ``[meta_len, data_len,
-more]``, the JSON bucket header (:class:`BucketMeta`) as bytes, then the flat data. A header with
-``more == 0`` ends the stream.
+Choice: a plain torch.distributed ``TCPStore`` + ``ProcessGroupGloo`` object built directly (no
+``init_process_group``), so it never touches the trainer's default group nor vLLM's own groups
+inside the engine workers. The sender is rank 0 and hosts the store on a free port; engine workers
+are ranks 1..N. A re-formed group gets a fresh store and port.
 """
 
 from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl.sync.buckets import BucketMeta
-
 SENDER = 0
 
 
-def make_group(backend: str, addr: str, port: int, rank: int, world_size: int,
-               timeout_s: float, store: dist.Store | None = None):
-    """Join (or, for rank 0 with ``store`` given, host) the sync group; returns the group."""
+def make_group(addr: str, port: int, rank: int, world_size: int, timeout_s: float,
+               store: dist.Store | None = None) -> dist.ProcessGroupGloo:
+    """Join (or, for rank 0 with ``store`` given, host) the gloo group; every op times out."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    raise ValueError(f"sync backend must be 'gloo' or 'nccl', got {backend!r}")
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
 def host_store(addr: str, world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -50,17 +38,6 @@ def broadcast(group, tensor: torch.Tensor):
     opts.rootRank = SENDER
     opts.rootTensor = 0
     return group.broadcast([tensor], opts)
-
-
-def send_bucket(group, meta: BucketMeta | None, data: torch.Tensor | None,
-                device: torch.device) -> list:
-    """Post the three broadcasts of one bucket (or the end marker when ``meta`` is None)."""
-    if meta is None:
-        return [broadcast(group, torch.zeros(3, dtype=torch.int64, device=device))]
-    raw = torch.frombuffer(bytearray(meta.encode()), dtype=torch.uint8).to(device)
-    head = torch.tensor([raw.numel(), data.numel(), 1], dtype=torch.int64, device=device)
-    # keep the small tensors alive with their works
-    return [(broadcast(group, head), head), (broadcast(group, raw), raw), broadcast(group, data)]
 
 
 def wait_works(works: list, deadline: float, check: Callable[[], None]) -> None:
@@ -79,23 +56,8 @@ def wait_works(works: list, deadline: float, check: Callable[[], None]) -> None:
         work.wait()  # raises the transport error, if any
 
 
-def recv_buckets(group, device: torch.device,
-                 timeout_s: float) -> Iterator[tuple[BucketMeta, torch.Tensor]]:
-    """Receive buckets until the end marker; each data buffer is freshly allocated.
-
-    Fresh buffers matter: the weight loader may keep views of a bucket until a whole layer has
-    arrived, so a received buffer must not be overwritten by the next bucket.
-    """
-    timeout = datetime.timedelta(seconds=timeout_s)
-    while True:
-        head = torch.empty(3, dtype=torch.int64, device=device)
-        broadcast(group, head).wait(timeout)
-        meta_len, data_len, more = (int(v) for v in head.tolist())
-        if not more:
-            return
-        raw = torch.empty(meta_len, dtype=torch.uint8, device=device)
-        broadcast(group, raw).wait(timeout)
-        meta = BucketMeta.decode(bytes(raw.cpu().numpy()))
-        data = torch.empty(data_len, dtype=torch.uint8, device=device)
-        broadcast(group, data).wait(timeout)
-        yield meta, data
+def allgather(group, tensor: torch.Tensor):
+    """Start gathering every rank's ``tensor`` (same shape everywhere): ``(work, outputs)``, the
+    outputs in rank order once the work completes."""
+    out = [torch.empty_like(tensor) for _ in range(group.size())]
+    return group.allgather([out], [tensor]), out

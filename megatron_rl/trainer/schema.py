@@ -67,10 +67,6 @@ class RunConfig(ConfigBase):
                 return s
         raise ConfigError("stages", f"no stage named {name!r}; stages are {[s.name for s in self.stages]}")
 
-    def engine_context_len(self) -> int:
-        """Tokens one engine sequence holds: the longest prompt plus the longest stage's response."""
-        return self.rollout.max_prompt_len + max(s.max_response_len for s in self.stages)
-
 
 def validate_cross(cfg: RunConfig) -> None:
     """Checks that span components (each component checks its own fields in its validate)."""
@@ -79,9 +75,13 @@ def validate_cross(cfg: RunConfig) -> None:
     names = [s.name for s in cfg.stages]
     if len(set(names)) != len(names):
         raise ConfigError("stages", f"stage names must be unique, got {names}")
-    if cfg.sync.transport in ("gloo", "nccl") and cfg.rollout.engine != "vllm_remote":
-        raise ConfigError("sync.transport", f"'{cfg.sync.transport}' joins engines in their own processes: "
-                                            "it needs rollout.engine='vllm_remote'")
+    servers = cfg.rollout.engine == "vllm_server"
+    if servers and cfg.sync.transport == "inprocess":
+        raise ConfigError("sync.transport", "rollout.engine='vllm_server' runs engines in their own processes: "
+                                            "use 'gloo' (CPU), 'nccl' or 'ipc' (GPUs)")
+    if not servers and cfg.sync.transport != "inprocess":
+        raise ConfigError("sync.transport", f"'{cfg.sync.transport}' drives vLLM servers: it needs "
+                                            "rollout.engine='vllm_server' (the in-process engine uses 'inprocess')")
     if cfg.rollout.async_.dynamic_sampling and not cfg.algo.filter_zero_variance_groups:
         raise ConfigError("rollout.async.dynamic_sampling", "keeps drawing until the step has groups with reward "
                                                             "variance: it needs algo.filter_zero_variance_groups=true")

@@ -125,7 +125,7 @@ def test_tied_embedding_model_follows_a_weight_update(tied_engine_and_hf):
     a 160-token probe (``engine.score``, what ``sync.verify`` compares) match transformers' on the
     NEW weights to 1e-4, and so do its greedy outputs and sampled log-probs. Fails when the engine
     keeps the output layer it packed at start-up (vLLM-CPU's oneDNN copy of lm_head, which
-    ``refresh_tied_layers`` rebuilds): the scored gap is then ~1e-2, not ~1e-6."""
+    ``rollout/reload.py::refresh_tied_layers`` rebuilds)."""
     eng, hf = tied_engine_and_hf
     assert hf.lm_head.weight is hf.model.embed_tokens.weight
     probe = [(7 * i + 3) % hf.config.vocab_size for i in range(160)]  # > one 128-token KV block

@@ -13,8 +13,8 @@ observable before and after:
   sandboxed program, the judge server); tracking: what W&B is started with and the files written;
   the demo's inputs: the files written;
 * ``policy.*``: with the real Megatron policy in ``tests/integration/models/test_policy_keys_act.py``;
-* the rollout engine's set-up and the sync transfer's keys (``AWAITING_FLEET``): not walked until the
-  vLLM-server fleet (issue 11) that replaces them lands.
+* the rollout engines' set-up and the sync transfer's keys (``AWAITING_FLEET``): not walked yet (they
+  need the vLLM-server fleet's real engines).
 """
 
 from __future__ import annotations
@@ -36,17 +36,19 @@ from megatron_rl.config.reference import leaf_keys
 from megatron_rl.trainer.schema import RunConfig, load_run_config
 
 INTEGRATION_SECTIONS = ("policy.",)  # walked by tests/integration/models/test_policy_keys_act.py
-# Not walked yet: the engine's set-up and the transfer's keys act only on a real engine (an engine in
-# the trainer's process gets the tensors directly whatever sync.transport says), and the
-# vLLM-server fleet (issue 11) replaces both; they get probes on the fleet once it lands. A key in
-# this set must still exist, and a new key cannot hide here: the walk fails on any other key
-# without a probe.
+# Not walked yet: the engines' set-up and the weight transfer's keys act only on real engines (an
+# engine in the trainer's process gets the tensors directly whatever sync.transport says). The
+# vLLM-server fleet (issue 11) that they configure has landed; their probes (on the fleet's servers)
+# are still to be written. A key in this set must still exist, and a new key cannot hide here: the
+# walk fails on any other key without a probe.
 AWAITING_FLEET = frozenset({
     "rollout.engine", "rollout.num_engines", "rollout.max_response_len", "rollout.dtype",
     "rollout.kv_cache_bytes", "rollout.gpu_memory_utilization", "rollout.tensor_parallel_size",
     "rollout.enforce_eager", "rollout.max_num_seqs", "rollout.timeout_s",
-    "rollout.async.partial_rollout", "sync.transport", "sync.bucket_bytes", "sync.timeout_s",
-    "sync.master_addr"})
+    "rollout.async.partial_rollout", "rollout.placement", "rollout.engines_per_node",
+    "rollout.server_urls", "rollout.hosts", "rollout.registry_dir", "rollout.start_timeout_s",
+    "rollout.control_timeout_s", "rollout.max_inflight_seqs",
+    "sync.transport", "sync.bucket_bytes", "sync.timeout_s", "sync.master_addr", "sync.retries"})
 
 
 @dataclass
@@ -107,7 +109,7 @@ def run_fake(cfg: RunConfig, tmp: Path, *, drop_version: bool = False, stale: bo
     root = Path(cfg.trainer.run_dir)
     ctx = Context(cfg=cfg, run=RunDir(root), groups=fake_run.Groups(), policy=policy, tokenizer=tok,
                   model_path=str(model_dir), entropy_ctl=EntropyController(cfg.algo.entropy),
-                  stop=stop, engine=engine, engines=[engine],
+                  stop=stop, engine=engine,
                   reward_mgr=RewardManager(cfg.reward), train_records=train, sft_records=sft,
                   eval_records=held_out,
                   tracker=Tracker(cfg.tracking, root, cfg.to_dict()))
@@ -117,7 +119,7 @@ def run_fake(cfg: RunConfig, tmp: Path, *, drop_version: bool = False, stale: bo
         ctx.observer = build_observer(cfg, root, ctx.tracker)
     if cfg.algo.kl.enabled:  # a frozen copy of the start (the real one is Megatron: integration)
         ctx.reference = fake_run.BigramPolicy(len(tok), fake_run.Log(), seed=1)
-    ctx.weight_sync = build_weight_sync(cfg.sync, [engine])
+    ctx.weight_sync = build_weight_sync(cfg.sync, engine)
     ctx.weight_sync.connect()
     try:
         code: Any = run(ctx)

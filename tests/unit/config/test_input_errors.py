@@ -98,6 +98,8 @@ ZERO_OK = {
     "policy.optim.adam_beta2", "policy.optim.clip_grad", "policy.optim.lr_warmup_steps",
     "rollout.kv_cache_bytes",  # 0: vLLM sizes the cache (GPU)
     "rollout.async.max_staleness", "rollout.async.oversample",  # 0: the synchronous loop
+    "rollout.max_inflight_seqs",  # 0: rollout.max_num_seqs per engine
+    "sync.retries",  # 0: no second sync after a failed one
     "algo.adv_eps", "algo.clip.eps_low", "algo.entropy.coef", "algo.entropy.target",
     "algo.entropy.delta", "algo.entropy.coef_min", "algo.entropy.coef_max", "algo.kl.coef",
     "algo.mismatch.icepop_low",

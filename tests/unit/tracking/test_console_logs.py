@@ -7,11 +7,20 @@ import logging
 
 import pytest
 
-from megatron_rl.tracking.logs import hidden_warnings, route_logs, set_console_verbose
+from megatron_rl.tracking.logs import ConsoleFilter, hidden_warnings, route_logs, set_console_verbose
+
+
+def _drop_console_filters() -> None:
+    """pytest's own capture handlers sit on the root logger for the whole session: a filter an earlier
+    test's CLI call put on them (and the library warnings it counted since) must not leak in."""
+    for h in logging.getLogger().handlers:
+        for f in [f for f in h.filters if isinstance(f, ConsoleFilter)]:
+            h.removeFilter(f)
 
 
 @pytest.fixture
 def console():
+    _drop_console_filters()
     root = logging.getLogger()
     saved = (root.handlers[:], root.level, logging.getLogger("vllm").handlers[:],
              logging.getLogger("vllm").propagate, logging.getLogger("vllm").level)
@@ -31,6 +40,7 @@ def console():
     vllm.handlers, vllm.propagate, vllm.level = saved[2], saved[3], saved[4]
     tf.handlers, tf.propagate = saved_tf
     logging.captureWarnings(False)
+    _drop_console_filters()
 
 
 def test_library_chatter_goes_to_the_run_log(tmp_path, console):

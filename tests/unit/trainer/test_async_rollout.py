@@ -348,6 +348,7 @@ def test_async_config_refuses_what_it_cannot_do():
     with pytest.raises(ConfigError, match="partial_rollout"):
         AsyncConfig(partial_rollout=True).validate()
     with pytest.raises(ConfigError, match="in-process engine"):
-        RolloutConfig(engine="vllm_remote", async_=AsyncConfig(max_staleness=1, oversample=0.5)).validate()
+        RolloutConfig(engine="vllm_server", placement="external", server_urls=["http://h:8000"],
+                      async_=AsyncConfig(max_staleness=1, oversample=0.5)).validate()
     with pytest.raises(ValueError, match="in flight"):
         _scheduler(_cfg(max_staleness=1, partial_rollout=True), FakeEngine())

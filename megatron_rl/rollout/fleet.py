@@ -1,0 +1,348 @@
+"""Many engines behind one: continuous, straggler-aware dispatch with fault handling.
+
+Every prompt is one request (``n`` samples, the prompt's own seed), sent to the engine with the least
+outstanding work (sequences in flight) that has room (``rollout.max_inflight_seqs``); the others wait
+and go out as engines finish, so a slow engine simply gets fewer prompts. The prompt's seed does not
+depend on which engine serves it, so the fleet samples exactly what one engine would.
+
+Faults: a request that fails (the engine died, refused or cut the connection, answered an error,
+or did not answer within ``rollout.timeout_s``) marks its engine DOWN; that engine's outstanding
+requests are cancelled and re-sent to the others with the same seeds (counted in
+``rollout/requeued_requests``). A DOWN engine stays out until :meth:`probe` finds it answering again
+(its launcher restarted it), the weight sync loads and verifies the current weights into it, and
+:meth:`admit` puts it back. An engine that answers but says it holds other weights than those it was
+verified with (restarted silently between steps) is taken out the same way.
+
+The fleet runs its own asyncio loop in a background thread: :meth:`generate` (a batch, blocking) and
+:meth:`submit` (one prompt; a coroutine for that loop) and :meth:`submit_threadsafe` (one prompt,
+from any thread: a ``concurrent.futures.Future``) all dispatch through it, so an asynchronous
+trainer can keep requests flowing across steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import enum
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from megatron_rl.rollout.base import (UNKNOWN_VERSION, Completion, EngineError, PauseMode,
+                                      RolloutEngine, SamplingSpec)
+from megatron_rl.rollout.config import RolloutConfig
+
+log = logging.getLogger("megatron_rl")
+
+
+class EngineState(enum.Enum):
+    UP = "up"            # serving; holds the verified weight version
+    JOINING = "joining"  # answers again (restarted); takes part in the next sync, then UP
+    DOWN = "down"        # failed; not used until it answers and is synced
+
+
+@dataclass
+class _Slot:
+    """The fleet's book-keeping for one engine."""
+
+    engine: RolloutEngine
+    state: EngineState = EngineState.UP
+    outstanding: int = 0  # sequences in flight
+    reason: str = ""      # why it went down
+    down: asyncio.Event | None = None
+    served: int = 0       # sequences served since the last pop_metrics
+    tasks: set = field(default_factory=set)
+
+
+class EngineFleet(RolloutEngine):
+    """``engines`` (each with an awaitable ``submit``) dispatched as one engine."""
+
+    def __init__(self, engines: list[RolloutEngine], cfg: RolloutConfig, *, name: str = "fleet",
+                 locate=None):
+        """``locate(name)``, when given, returns where engine ``name`` is now (its registered URL):
+        :meth:`probe` looks a DOWN engine up again, as its launcher may restart it elsewhere."""
+        if not engines:
+            raise ValueError("EngineFleet needs at least one engine")
+        names = [e.name for e in engines]
+        if len(set(names)) != len(names):
+            raise ValueError(f"engine names must be unique, got {names}")
+        self.cfg = cfg
+        self.name = name
+        self.capacity = cfg.inflight_seqs()
+        self._locate = locate
+        self._slots = [_Slot(e) for e in engines]
+        self._lock = threading.Lock()
+        self._requeued = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-loop", daemon=True)
+        self._thread.start()
+        self._changed = self._run(self._make_condition())
+
+    # ------------------------------------------------------------------------------ membership
+    @property
+    def engines(self) -> list[RolloutEngine]:
+        return [s.engine for s in self._slots]
+
+    def state(self, engine: RolloutEngine | str) -> EngineState:
+        return self._slot(engine).state
+
+    def states(self) -> dict[str, str]:
+        return {s.engine.name: s.state.value for s in self._slots}
+
+    def live(self) -> list[RolloutEngine]:
+        """Engines that serve requests now."""
+        return [s.engine for s in self._slots if s.state is EngineState.UP]
+
+    def sync_targets(self) -> list[RolloutEngine]:
+        """Engines the next weight sync should load: the live ones and those rejoining."""
+        return [s.engine for s in self._slots if s.state is not EngineState.DOWN]
+
+    @property
+    def weight_version(self) -> int:
+        """The oldest verified version any live engine holds (UNKNOWN_VERSION if none is live)."""
+        live = self.live()
+        return min(e.weight_version for e in live) if live else UNKNOWN_VERSION
+
+    @weight_version.setter
+    def weight_version(self, value: int) -> None:  # the sync sets each engine's own version
+        pass
+
+    def mark_down(self, engine: RolloutEngine | str, reason: str) -> None:
+        """Take ``engine`` out: its weights are unknown, its outstanding requests are re-sent."""
+        slot = self._slot(engine)
+        with self._lock:
+            if slot.state is EngineState.DOWN:
+                return
+            slot.state, slot.reason = EngineState.DOWN, reason
+        slot.engine.weight_version = UNKNOWN_VERSION
+        log.warning("engine %s is down: %s", slot.engine.name, reason)
+        self._loop.call_soon_threadsafe(self._signal_down, slot)
+
+    def mark_unknown(self, engine: RolloutEngine | str, reason: str) -> None:
+        """``engine`` answers but holds unknown weights (a failed sync): it serves nothing, its
+        outstanding requests are re-sent, and it takes part in the next sync."""
+        slot = self._slot(engine)
+        with self._lock:
+            slot.state, slot.reason = EngineState.JOINING, reason
+        slot.engine.weight_version = UNKNOWN_VERSION
+        log.warning("engine %s holds unknown weights: %s", slot.engine.name, reason)
+        self._loop.call_soon_threadsafe(self._signal_down, slot)
+
+    def admit(self, engine: RolloutEngine | str) -> None:
+        """Put ``engine`` back into service (after a verified sync)."""
+        slot = self._slot(engine)
+        with self._lock:
+            was, slot.state, slot.reason = slot.state, EngineState.UP, ""
+        if was is not EngineState.UP:
+            log.info("engine %s is back in service (weight version %d)", slot.engine.name,
+                     slot.engine.weight_version)
+        self._loop.call_soon_threadsafe(self._reopen, slot)
+
+    def probe(self) -> list[RolloutEngine]:
+        """Check the engines before a sync: a DOWN engine that answers /health again rejoins; a
+        live one that answers but reports other weights than it was verified with (it restarted)
+        rejoins too. Returns the engines that are rejoining."""
+        with cf.ThreadPoolExecutor(max_workers=len(self._slots), thread_name_prefix="probe") as pool:
+            rejoined = list(pool.map(self._probe_one, self._slots))
+        return [slot.engine for slot, yes in zip(self._slots, rejoined) if yes]
+
+    def _probe_one(self, slot: _Slot) -> bool:
+        engine = slot.engine
+        if slot.state is EngineState.DOWN:
+            url = self._locate(engine.name) if self._locate is not None else None
+            if url is not None and hasattr(engine, "retarget"):
+                engine.retarget(url)
+            if not engine.health():
+                return False
+            connect = getattr(engine, "connect", None)
+            try:
+                if connect is not None:
+                    connect()
+            except EngineError:
+                return False
+        elif slot.state is EngineState.UP:
+            reported = _reported_version(engine)
+            if reported is None or reported == str(engine.weight_version):
+                return False
+            log.warning("engine %s reports weight version %r, verified %d: it restarted",
+                        engine.name, reported, engine.weight_version)
+            engine.weight_version = UNKNOWN_VERSION
+        else:
+            return False
+        with self._lock:
+            slot.state, slot.reason = EngineState.JOINING, ""
+        return True
+
+    # ------------------------------------------------------------------------------- dispatch
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
+        return self._run(self.agenerate(prompt_ids, sampling))
+
+    async def agenerate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
+        """All prompts at once; prompt i is sampled with ``sampling.prompt_seed(i)``."""
+        return list(await asyncio.gather(*(self.submit(p, sampling.for_prompt(i))
+                                           for i, p in enumerate(prompt_ids))))
+
+    def submit_threadsafe(self, prompt_ids: list[int], sampling: SamplingSpec) -> cf.Future:
+        """:meth:`submit` from any thread; the result is a ``concurrent.futures.Future``."""
+        return asyncio.run_coroutine_threadsafe(self.submit(prompt_ids, sampling), self._loop)
+
+    async def submit(self, prompt_ids: list[int], sampling: SamplingSpec) -> list[Completion]:
+        """One prompt to the least-loaded live engine; re-sent elsewhere if that engine fails."""
+        while True:
+            slot = await self._acquire(sampling.n)
+            try:
+                return await self._send(slot, prompt_ids, sampling)
+            except _Requeue as exc:
+                with self._lock:
+                    self._requeued += 1
+                log.info("re-sending a request of engine %s: %s", slot.engine.name, exc)
+            finally:
+                self._release(slot, sampling.n)
+
+    async def _send(self, slot: _Slot, prompt_ids: list[int], sampling: SamplingSpec) -> list[Completion]:
+        from megatron_rl.rollout.server import RequestRejected
+
+        request = asyncio.ensure_future(slot.engine.submit(prompt_ids, sampling))
+        down = asyncio.ensure_future(slot.down.wait())
+        slot.tasks.add(request)
+        try:
+            await asyncio.wait({request, down}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            slot.tasks.discard(request)
+            down.cancel()
+        if not request.done():  # the engine went down while this request was in flight
+            request.cancel()
+            raise _Requeue(f"engine {slot.engine.name} went down ({slot.reason})")
+        try:
+            out = request.result()
+        except RequestRejected:
+            raise
+        except EngineError as exc:
+            self.mark_down(slot.engine, str(exc))
+            raise _Requeue(str(exc)) from exc
+        slot.served += len(out)
+        return out
+
+    async def _acquire(self, n: int) -> _Slot:
+        async with self._changed:
+            while True:
+                up = [s for s in self._slots if s.state is EngineState.UP]
+                if not up:
+                    raise EngineError("no engine is up: " + "; ".join(
+                        f"{s.engine.name} {s.state.value}" + (f" ({s.reason})" if s.reason else "")
+                        for s in self._slots))
+                room = [s for s in up if s.outstanding == 0 or s.outstanding + n <= self.capacity]
+                if room:
+                    slot = min(room, key=lambda s: s.outstanding)  # ties: the first engine
+                    slot.outstanding += n
+                    return slot
+                await self._changed.wait()
+
+    def _release(self, slot: _Slot, n: int) -> None:
+        slot.outstanding -= n
+        self._notify()
+
+    def _notify(self) -> None:
+        async def wake():
+            async with self._changed:
+                self._changed.notify_all()
+        asyncio.ensure_future(wake())
+
+    def _signal_down(self, slot: _Slot) -> None:
+        slot.down.set()
+        self._notify()
+
+    def _reopen(self, slot: _Slot) -> None:
+        slot.down.clear()
+        self._notify()
+
+    async def _make_condition(self) -> asyncio.Condition:
+        for slot in self._slots:
+            slot.down = asyncio.Event()
+        return asyncio.Condition()
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    # ------------------------------------------------------------------------- fan-out control
+    def _each_live(self, fn, *args) -> None:
+        for engine in self.live():
+            try:
+                fn(engine, *args)
+            except EngineError as exc:
+                self.mark_down(engine, str(exc))
+
+    def reset_prefix_cache(self) -> None:
+        self._each_live(lambda e: e.reset_prefix_cache())
+
+    def pause(self, mode: PauseMode = "keep") -> None:
+        self._each_live(lambda e: e.pause(mode))
+
+    def resume(self) -> None:
+        self._each_live(lambda e: e.resume())
+
+    def sleep(self) -> None:
+        self._each_live(lambda e: e.sleep())
+
+    def wake_up(self) -> None:
+        self._each_live(lambda e: e.wake_up())
+
+    def health(self) -> bool:
+        return bool(self.live())
+
+    def pop_metrics(self) -> dict[str, float]:
+        with self._lock:
+            requeued, self._requeued = self._requeued, 0
+            served = {s.engine.name: s.served for s in self._slots}
+            for s in self._slots:
+                s.served = 0
+        up = sum(s.state is EngineState.UP for s in self._slots)
+        out = {"rollout/requeued_requests": float(requeued), "rollout/engines_up": float(up),
+               "rollout/engines_down": float(len(self._slots) - up)}
+        total = sum(served.values())
+        if total:  # the share of the step's sequences each engine sampled
+            out["rollout/engine_share_max"] = max(served.values()) / total
+            out["rollout/engine_share_min"] = min(served.values()) / total
+        return out
+
+    def close(self) -> None:
+        async def cancel_pending():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self._run(cancel_pending())
+        for slot in self._slots:
+            aclose = getattr(slot.engine, "aclose", None)
+            if aclose is not None:
+                try:
+                    self._run(aclose())
+                except Exception:  # noqa: BLE001 - closing is best effort
+                    pass
+            slot.engine.close()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    # ---------------------------------------------------------------------------------- helpers
+    def _slot(self, engine: RolloutEngine | str) -> _Slot:
+        name = engine if isinstance(engine, str) else engine.name
+        for slot in self._slots:
+            if slot.engine.name == name:
+                return slot
+        raise KeyError(f"no engine {name!r} in the fleet (engines: {[s.engine.name for s in self._slots]})")
+
+
+class _Requeue(Exception):
+    """The request must go to another engine."""
+
+
+def _reported_version(engine: RolloutEngine) -> str | None:
+    """The engine's own view of its weight version, or None if it has none / cannot say."""
+    ask = getattr(engine, "server_weight_version", None)
+    if ask is None:
+        return None
+    try:
+        return ask()
+    except EngineError:
+        return None

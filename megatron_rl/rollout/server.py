@@ -1,0 +1,271 @@
+"""One vLLM server process, driven over HTTP: generation through vLLM's token-in / token-out route
+(``/inference/v1/generate``, on with ``--enable-scale-out``), control through its RL and dev routes
+(``VLLM_SERVER_DEV_MODE=1``).
+
+Generation: one request per prompt, token ids in, ``n`` samples out with their token ids, text,
+*processed* sampled-token log-probs (the server runs with ``--logprobs-mode processed_logprobs``) and
+the weight-version spans the server attaches to the output tokens; the prompt's seed goes in the
+request (vLLM samples child j of an n-request with seed + j, so the same prompt and seed give the
+same samples on any server holding the same weights).
+
+Scoring (the weight sync's probe): prompt log-probs from ``/v1/completions``.
+
+Control: ``/health``, ``/pause?mode=`` and ``/resume``, ``/reset_prefix_cache``, ``/weight_info`` and
+``/update_weight_version``, ``/sleep`` / ``/wake_up``, ``/collective_rpc``. Weights travel through
+vLLM's weight-transfer routes (``/init_weight_transfer_engine`` ... ``/finish_weight_update``), driven
+by the weight sync (``megatron_rl.sync.vllm_protocol``) with ``weight_sync_client()``.
+
+Every call has a timeout; failures are raised as :class:`EngineDied` (connection refused or cut),
+:class:`EngineTimeout` or :class:`EngineError` (the server answered with an error), naming the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from megatron_rl.rollout.base import (Completion, EngineDied, EngineError, EngineTimeout, PauseMode,
+                                      RolloutEngine, SamplingSpec)
+from megatron_rl.rollout.config import RolloutConfig
+
+
+def server_healthy(url: str, timeout_s: float = 5.0) -> bool:
+    """The server at ``url`` answers ``/health`` with 200."""
+    try:
+        return httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class RequestRejected(EngineError):
+    """The server refused the request itself (HTTP 4xx): resending it elsewhere would not help."""
+
+
+BASE_VERSION = "default"  # what vLLM reports before any weight update: the weights it started with
+
+
+def version_of(label: str | None, fallback: int) -> int:
+    """Our integer weight version from a server's label (``default``: the base weights, 0)."""
+    if label == BASE_VERSION:
+        return 0
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        return fallback
+
+
+def generate_body(prompt_ids: list[int], sampling: SamplingSpec, request_id: str | None = None) -> dict[str, Any]:
+    """The ``/inference/v1/generate`` request for one prompt (vLLM's token-in / token-out route)."""
+    params: dict[str, Any] = {"n": sampling.n, "max_tokens": sampling.max_tokens,
+                              "temperature": sampling.temperature, "top_p": sampling.top_p, "logprobs": 0}
+    if sampling.top_k > 0:
+        params["top_k"] = sampling.top_k
+    if sampling.seed is not None:
+        params["seed"] = sampling.seed
+    if sampling.stop_token_ids:
+        params["stop_token_ids"] = list(sampling.stop_token_ids)
+    body: dict[str, Any] = {"token_ids": list(prompt_ids), "sampling_params": params, "output_mode": "text"}
+    if request_id is not None:
+        body["request_id"] = request_id
+    return body
+
+
+def parse_choices(reply: dict, n: int, where: str) -> list[dict]:
+    """``n`` choices of a generate reply in sample order: token ids, log-probs, text, finish reason,
+    and the weight-version spans over the output tokens."""
+    choices = sorted(reply.get("choices") or [], key=lambda c: c.get("index", 0))
+    if len(choices) != n:
+        raise EngineError(f"{where}: {len(choices)} choices for n={n}")
+    out = []
+    for c in choices:
+        ids = list(c.get("token_ids") or [])
+        lps = [float(x["logprob"]) for x in ((c.get("logprobs") or {}).get("content") or [])]
+        if len(lps) != len(ids):
+            raise EngineError(f"{where}: {len(lps)} log-probs for {len(ids)} tokens")
+        out.append({"token_ids": ids, "logprobs": lps, "text": c.get("text") or "",
+                    "finish_reason": c.get("finish_reason") or "abort",
+                    "spans": c.get("weight_versions") or []})
+    return out
+
+
+GENERATE = "/inference/v1/generate"  # needs the server's --enable-scale-out
+
+
+class VLLMServer(RolloutEngine):
+    """A handle to one vLLM server at ``url`` (its process may be anywhere)."""
+
+    def __init__(self, url: str, cfg: RolloutConfig, *, name: str | None = None,
+                 model: str | None = None, workers: int | None = None):
+        self.url = url.rstrip("/")
+        self.cfg = cfg
+        self.name = name or self.url.split("://", 1)[-1]
+        self.model = model  # served model name; asked from /v1/models when None
+        # Ranks this engine takes in a weight-transfer group: one per vLLM worker (TP x PP).
+        self.workers = workers or cfg.tensor_parallel_size
+        self.weight_version = 0
+        self._http = httpx.Client(base_url=self.url, timeout=cfg.control_timeout_s)
+        self._async: httpx.AsyncClient | None = None
+        self._async_loop: asyncio.AbstractEventLoop | None = None
+
+    def retarget(self, url: str) -> None:
+        """The server came back at another address (its launcher restarted it on a new port)."""
+        url = url.rstrip("/")
+        if url != self.url:
+            self._http.close()
+            self.url = url
+            self._http = httpx.Client(base_url=self.url, timeout=self.cfg.control_timeout_s)
+            self._async, self._async_loop = None, None  # the old one is dropped with its loop
+
+    def __repr__(self) -> str:
+        return f"VLLMServer({self.name!r}, {self.url!r})"
+
+    # ------------------------------------------------------------------------------ control plane
+    def _call(self, method: str, path: str, *, timeout: float | None = None, **kwargs) -> httpx.Response:
+        try:
+            resp = self._http.request(method, path, timeout=timeout or self.cfg.control_timeout_s, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise EngineTimeout(f"engine {self.name} ({self.url}): no answer to {method} {path} within "
+                                f"{timeout or self.cfg.control_timeout_s:.1f}s") from exc
+        except httpx.TransportError as exc:
+            raise EngineDied(f"engine {self.name} ({self.url}): {method} {path} failed: "
+                             f"{type(exc).__name__}: {exc}") from exc
+        if resp.status_code >= 400:
+            kind = RequestRejected if resp.status_code < 500 else EngineError
+            raise kind(f"engine {self.name} ({self.url}): {method} {path} -> HTTP {resp.status_code}: "
+                       f"{resp.text[:500]}")
+        return resp
+
+    def health(self, timeout: float | None = None) -> bool:
+        try:
+            self._call("GET", "/health", timeout=timeout)
+        except EngineError:
+            return False
+        return True
+
+    def connect(self, timeout: float | None = None) -> "VLLMServer":
+        """Check the server answers, learn the model it serves and the weight version it reports
+        (the version this handle starts from; the trainer's first sync sets and verifies it)."""
+        self._call("GET", "/health", timeout=timeout)
+        self.served_model()
+        self.weight_version = version_of(self.server_weight_version(), self.weight_version)
+        return self
+
+    def served_model(self) -> str:
+        if self.model is None:
+            data = self._call("GET", "/v1/models").json().get("data") or []
+            if not data:
+                raise EngineError(f"engine {self.name} ({self.url}) serves no model")
+            self.model = data[0]["id"]
+        return self.model
+
+    def server_weight_version(self) -> str | None:
+        """What the server itself says its weight version is (``/weight_info``; ``"0"`` for the
+        weights it started with)."""
+        label = self._call("GET", "/weight_info").json().get("weight_version")
+        return "0" if label == BASE_VERSION else label
+
+    def set_weight_version(self, version: int) -> None:
+        self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+        self.weight_version = version
+
+    def reset_prefix_cache(self) -> None:
+        self._call("POST", "/reset_prefix_cache")
+
+    def pause(self, mode: PauseMode = "keep") -> None:
+        # clear_cache only applies to abort / wait; "keep" keeps the cache for the frozen requests.
+        self._call("POST", "/pause", params={"mode": mode, "clear_cache": "false"},
+                   timeout=self.cfg.timeout_s if mode == "wait" else None)
+
+    def resume(self) -> None:
+        self._call("POST", "/resume")
+
+    def is_paused(self) -> bool:
+        return bool(self._call("GET", "/is_paused").json().get("is_paused"))
+
+    def sleep(self) -> None:
+        self._call("POST", "/sleep", params={"level": 1})
+
+    def wake_up(self) -> None:
+        self._call("POST", "/wake_up")
+
+    def collective_rpc(self, method: str, args: list | tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list:
+        """``method`` on every vLLM worker of this server; one result per worker."""
+        body = {"method": method, "args": list(args), "kwargs": kwargs or {}}
+        return self._call("POST", "/collective_rpc", json=body, timeout=timeout).json().get("results", [])
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Teacher-forced log-probs of ``token_ids[1:]`` at T = 1 (the weight sync's probe): the
+        prompt log-probs of vLLM's completions route."""
+        body = {"model": self.served_model(), "prompt": list(token_ids), "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": 0}
+        reply = self._call("POST", "/v1/completions", json=body, timeout=self.cfg.timeout_s).json()
+        try:
+            scored = reply["choices"][0]["prompt_logprobs"][1:]
+            return [float(d[str(t)]["logprob"]) for t, d in zip(token_ids[1:], scored, strict=True)]
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise EngineError(f"engine {self.name} ({self.url}): no prompt log-probs for the probe in "
+                              f"{str(reply)[:300]}") from exc
+
+    def weight_sync_client(self, timeout_s: float):
+        """vLLM's own trainer-side client of this server's weight-transfer routes."""
+        from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+        return HTTPVLLMWeightSyncClient(self.url, timeout=timeout_s)
+
+    # ------------------------------------------------------------------------------- generation
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._async is None or self._async_loop is not loop:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            self._async = httpx.AsyncClient(base_url=self.url, limits=limits, timeout=httpx.Timeout(
+                self.cfg.timeout_s, connect=self.cfg.control_timeout_s))
+            self._async_loop = loop
+        return self._async
+
+    async def submit(self, prompt_ids: list[int], sampling: SamplingSpec,
+                     request_id: str | None = None) -> list[Completion]:
+        """``sampling.n`` samples of one prompt; each carries the weight versions its tokens were
+        sampled with (vLLM's weight-version spans: ``version_spans`` when weights changed mid-request)."""
+        body = generate_body(prompt_ids, sampling, request_id)
+        version = self.weight_version
+        where = f"engine {self.name} ({self.url})"
+        try:
+            resp = await asyncio.wait_for(self._client().post(GENERATE, json=body), self.cfg.timeout_s)
+        except (httpx.TimeoutException, asyncio.TimeoutError) as exc:
+            raise EngineTimeout(f"{where}: no answer to a generation request within rollout.timeout_s="
+                                f"{self.cfg.timeout_s:g}s") from exc
+        except httpx.TransportError as exc:
+            raise EngineDied(f"{where}: generation request failed: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code >= 400:
+            kind = RequestRejected if resp.status_code < 500 else EngineError
+            raise kind(f"{where}: HTTP {resp.status_code}: {resp.text[:500]}")
+        out = []
+        for c in parse_choices(resp.json(), sampling.n, where):
+            spans = [(version_of(sp["version"], version), sp["start"], sp["end"]) for sp in c["spans"]
+                     if sp["end"] > sp["start"]]
+            out.append(Completion(token_ids=c["token_ids"], logprobs=c["logprobs"], text=c["text"],
+                                  finish_reason=c["finish_reason"], truncated=c["finish_reason"] == "length",
+                                  weight_version=spans[0][0] if spans else version,
+                                  version_spans=spans if len({v for v, _, _ in spans}) > 1 else [],
+                                  engine=self.name))
+        return out
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
+        async def run():
+            try:
+                return await asyncio.gather(*(self.submit(p, sampling.for_prompt(i))
+                                              for i, p in enumerate(prompt_ids)))
+            finally:
+                await self.aclose()
+        return list(asyncio.run(run()))
+
+    async def aclose(self) -> None:
+        if self._async is not None:
+            client, self._async, self._async_loop = self._async, None, None
+            await client.aclose()
+
+    def close(self) -> None:
+        self._http.close()

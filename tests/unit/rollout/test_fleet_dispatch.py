@@ -1,0 +1,138 @@
+"""Fleet dispatch logic with stand-in engines (pure logic; the real servers are in
+tests/integration/rollout/test_fleet.py): least-outstanding dispatch within each engine's room, the
+result independent of which engine served a prompt, requeue on failure, membership states."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+
+from megatron_rl.rollout.base import UNKNOWN_VERSION, Completion, EngineDied, EngineError, RolloutEngine, SamplingSpec
+from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.fleet import EngineFleet, EngineState
+
+
+class Seeded(RolloutEngine):
+    """Samples a deterministic function of (prompt, seed + j): what a seeded vLLM server does."""
+
+    def __init__(self, name: str, delay: float = 0.0, die_after: int | None = None):
+        self.name, self.delay, self.die_after = name, delay, die_after
+        self.calls = 0
+        self.inflight = self.peak = 0
+        self.alive = True
+        self.weight_version = 0
+
+    async def submit(self, prompt_ids, sampling):
+        self.calls += 1
+        self.inflight += sampling.n
+        self.peak = max(self.peak, self.inflight)
+        try:
+            if self.die_after is not None and self.calls > self.die_after:
+                self.alive = False
+            if not self.alive:
+                await asyncio.sleep(self.delay / 2)
+                raise EngineDied(f"engine {self.name}: connection refused")
+            await asyncio.sleep(self.delay)
+            out = []
+            for j in range(sampling.n):
+                rng = random.Random(hash((tuple(prompt_ids), sampling.seed + j)))
+                ids = [rng.randrange(100) for _ in range(sampling.max_tokens)]
+                out.append(Completion(token_ids=ids, logprobs=[0.0] * len(ids), text="", finish_reason="length",
+                                      truncated=True, weight_version=self.weight_version, engine=self.name))
+            return out
+        finally:
+            self.inflight -= sampling.n
+
+    def generate(self, prompt_ids, sampling):
+        raise NotImplementedError
+
+    def health(self, timeout=None):
+        return self.alive
+
+    def reset_prefix_cache(self):
+        pass
+
+
+def _cfg(room: int) -> RolloutConfig:
+    return RolloutConfig(engine="vllm_server", num_engines=3, max_num_seqs=room, timeout_s=5.0)
+
+
+PROMPTS = [[i, i + 1, i + 2] for i in range(24)]
+SPEC = SamplingSpec(n=2, max_tokens=4, seed=11)
+
+
+def _reference():
+    """What one engine alone samples for every prompt."""
+    one = Seeded("ref")
+    return [[c.token_ids for c in asyncio.run(one.submit(p, SPEC.for_prompt(i)))] for i, p in enumerate(PROMPTS)]
+
+
+def test_fleet_dispatch_gives_a_slow_engine_fewer_prompts_and_the_same_samples():
+    engines = [Seeded("fast0", 0.01), Seeded("fast1", 0.01), Seeded("slow", 0.08)]
+    fleet = EngineFleet(engines, _cfg(room=4))
+    try:
+        got = fleet.generate(PROMPTS, SPEC)
+        m = fleet.pop_metrics()
+    finally:
+        fleet.close()
+    assert [[c.token_ids for c in g] for g in got] == _reference()
+    # room 4 = two n=2 requests per engine at a time; the slow engine gets far fewer than a third
+    assert all(e.peak <= 4 for e in engines)
+    assert engines[2].calls < len(PROMPTS) / 3 < engines[0].calls
+    assert m["rollout/requeued_requests"] == 0 and m["rollout/engines_up"] == 3
+    assert {c.engine for g in got for c in g} == {"fast0", "fast1", "slow"}
+
+
+def test_fleet_requeues_a_dead_engines_requests_with_the_same_seeds():
+    engines = [Seeded("e0", 0.01), Seeded("e1", 0.01, die_after=2), Seeded("e2", 0.01)]
+    fleet = EngineFleet(engines, _cfg(room=2))
+    try:
+        got = fleet.generate(PROMPTS, SPEC)
+        m = fleet.pop_metrics()
+        assert fleet.state("e1") is EngineState.DOWN and engines[1].weight_version == UNKNOWN_VERSION
+        assert [e.name for e in fleet.live()] == ["e0", "e2"]
+        assert [[c.token_ids for c in g] for g in got] == _reference()
+        assert m["rollout/requeued_requests"] >= 1 and m["rollout/engines_down"] == 1
+        # a DOWN engine that answers again rejoins (it takes part in the next sync), then is admitted
+        engines[1].alive, engines[1].die_after = True, None
+        assert fleet.probe() == [engines[1]] and fleet.state("e1") is EngineState.JOINING
+        assert [e.name for e in fleet.sync_targets()] == ["e0", "e1", "e2"]
+        fleet.admit("e1")
+        assert fleet.generate(PROMPTS[:6], SPEC) and engines[1].calls > 3
+    finally:
+        fleet.close()
+
+
+def test_fleet_with_every_engine_down_raises_naming_them():
+    engines = [Seeded("a", 0.0, die_after=0), Seeded("b", 0.0, die_after=0)]
+    fleet = EngineFleet(engines, _cfg(room=2))
+    try:
+        with pytest.raises(EngineError, match=r"no engine is up: a down \(.*connection refused\); b down"):
+            fleet.generate(PROMPTS[:4], SPEC)
+    finally:
+        fleet.close()
+
+
+def test_fleet_submit_threadsafe_dispatches_continuously_from_other_threads():
+    engines = [Seeded("e0", 0.02), Seeded("e1", 0.02)]
+    fleet = EngineFleet(engines, _cfg(room=2))
+    results = {}
+    try:
+        def worker(k):
+            results[k] = fleet.submit_threadsafe(PROMPTS[k], SPEC.for_prompt(k)).result(timeout=10)
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert time.monotonic() - t0 < 2
+    finally:
+        fleet.close()
+    ref = _reference()
+    assert all([c.token_ids for c in results[k]] == ref[k] for k in range(8))
+    assert max(e.peak for e in engines) <= 2
