@@ -2,9 +2,10 @@
 
 The async rollout scheduler (``megatron_rl.trainer.async_rollout``) hands prompts to a
 :class:`GroupStream` and is called back with every group (one prompt's ``n`` samples) as it
-finishes, while the trainer trains on earlier ones. Two implementations:
+finishes, while the trainer trains on earlier ones (:func:`group_stream` picks one for an engine).
+Three implementations; the fleet of vLLM servers' is ``megatron_rl.rollout.fleet_stream``. Here:
 
-- :class:`BackgroundGenerate` wraps any :class:`RolloutEngine` (in-process, remote, a pool): each
+- :class:`BackgroundGenerate` wraps any other :class:`RolloutEngine`: each
   ``submit`` is one ``generate`` call on a background thread; the whole list finishes at once, and
   weights can only be loaded once it has (``keeps_in_flight`` is False).
 - :class:`StreamingVLLMEngine` is the in-process vLLM engine stepped by a thread of ours
@@ -65,6 +66,28 @@ class GroupStream(ABC):
     @abstractmethod
     def in_flight(self) -> int:
         """Groups submitted and not yet delivered."""
+
+    def before_weight_update(self) -> None:
+        """Partial rollouts: freeze what is in flight before new weights are loaded (servers:
+        ``/pause?mode=keep``). Default: nothing (the engine loads weights between two steps)."""
+
+    def after_weight_update(self) -> None:
+        """Partial rollouts: continue what :meth:`before_weight_update` froze."""
+
+
+def group_stream(engine: RolloutEngine) -> GroupStream:
+    """What the async scheduler drives for ``engine``: the streaming in-process engine itself, the
+    fleet of servers as a :class:`~megatron_rl.rollout.fleet_stream.FleetStream`, anything else
+    through :class:`BackgroundGenerate`."""
+    if isinstance(engine, GroupStream):
+        return engine
+    from megatron_rl.rollout.fleet import EngineFleet
+
+    if isinstance(engine, EngineFleet):
+        from megatron_rl.rollout.fleet_stream import FleetStream
+
+        return FleetStream(engine)
+    return BackgroundGenerate(engine)
 
 
 class BackgroundGenerate(GroupStream):
