@@ -75,6 +75,7 @@ class EngineFleet(RolloutEngine):
         self._requeued = 0
         # request id -> [its submit task, the slot serving it (None while it waits for room)]
         self._requests: dict[str, list] = {}
+        self._paused = False  # between pause() and resume()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-loop", daemon=True)
         self._thread.start()
@@ -325,16 +326,24 @@ class EngineFleet(RolloutEngine):
         self._each_live(lambda e: e.reset_prefix_cache())
 
     def pause(self, mode: PauseMode = "keep") -> None:
+        self._paused = True
         self._each_live(lambda e: e.pause(mode))
 
     def resume(self) -> None:
         """Every engine that is not down, those rejoining too: one that failed a sync while paused
         must not stay paused once it is admitted again."""
+        self._paused = False
         for engine in self.sync_targets():
             try:
                 engine.resume()
             except EngineError as exc:
                 self.mark_down(engine, str(exc))
+
+    def resume_paused(self, engine: RolloutEngine) -> None:
+        """While the fleet is paused (partial rollouts across a weight sync): let ``engine`` run
+        again, its new weights loaded (the sync's probe needs it to compute). Raises EngineError."""
+        if self._paused:
+            engine.resume()
 
     def sleep(self) -> None:
         self._each_live(lambda e: e.sleep())
