@@ -5,8 +5,9 @@ Every prompt is one request to the fleet (its own seed, any engine), delivered a
 finishes. Requests are named, so leftovers can be stopped (``abort``: the fleet cancels them and the
 servers drop them through ``/abort_requests``). Partial rollouts: before a weight update the servers
 freeze what they are generating (``/pause?mode=keep``); the weight sync loads the new weights, resets
-every cached block, frozen requests' included (they are recomputed with the new weights), and
-labels the new version; ``/resume`` then continues them. vLLM labels each output token with the
+every cached block, frozen requests' included (they are recomputed with the new weights), labels the
+new version and resumes each server once its weights are checked (before its probe); whatever is
+still paused afterwards (a server that failed the sync) is resumed by ``after_weight_update``. vLLM labels each output token with the
 version that sampled it, which the server handle returns as the completions' ``version_spans``.
 """
 

@@ -75,15 +75,16 @@ class GroupStream(ABC):
         """Partial rollouts: continue what :meth:`before_weight_update` froze."""
 
 
-def group_stream(engine: RolloutEngine) -> GroupStream:
-    """What the async scheduler drives for ``engine``: the streaming in-process engine itself, the
-    fleet of servers as a :class:`~megatron_rl.rollout.fleet_stream.FleetStream`, anything else
-    through :class:`BackgroundGenerate`."""
+def group_stream(engine: RolloutEngine, streaming: bool) -> GroupStream:
+    """What the async scheduler drives for ``engine``: the streaming in-process engine itself; with
+    ``streaming`` (partial rollouts, oversampling) the fleet of servers as a
+    :class:`~megatron_rl.rollout.fleet_stream.FleetStream`; anything else through
+    :class:`BackgroundGenerate` (a wave at once, in prompt order: today's loop exactly)."""
     if isinstance(engine, GroupStream):
         return engine
     from megatron_rl.rollout.fleet import EngineFleet
 
-    if isinstance(engine, EngineFleet):
+    if streaming and isinstance(engine, EngineFleet):
         from megatron_rl.rollout.fleet_stream import FleetStream
 
         return FleetStream(engine)

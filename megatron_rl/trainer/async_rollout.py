@@ -137,7 +137,7 @@ class RolloutScheduler:
         self.loader = loader
         self.reward_mgr = reward_mgr
         self.max_response_len = max_response_len
-        self.stream: GroupStream = group_stream(engine)
+        self.stream: GroupStream = group_stream(engine, self.acfg.needs_streaming)
         if self.acfg.needs_streaming and not (self.stream.keeps_in_flight and self.stream.can_abort):
             raise ValueError(f"rollout.async: partial_rollout / oversample need an engine that loads weights "
                              f"with requests in flight; {type(engine).__name__} cannot")
