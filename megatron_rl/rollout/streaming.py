@@ -2,7 +2,7 @@
 
 The async rollout scheduler (``megatron_rl.trainer.async_rollout``) hands prompts to a
 :class:`GroupStream` and is called back with every group (one prompt's ``n`` samples) as it
-finishes, while the trainer trains on earlier ones (:func:`group_stream` picks one for an engine).
+finishes, while the trainer trains on earlier ones (``megatron_rl.rollout.group_stream`` picks one).
 Three implementations; the fleet of vLLM servers' is ``megatron_rl.rollout.fleet_stream``. Here:
 
 - :class:`BackgroundGenerate` wraps any other :class:`RolloutEngine`: each
@@ -73,22 +73,6 @@ class GroupStream(ABC):
 
     def after_weight_update(self) -> None:
         """Partial rollouts: continue what :meth:`before_weight_update` froze."""
-
-
-def group_stream(engine: RolloutEngine, streaming: bool) -> GroupStream:
-    """What the async scheduler drives for ``engine``: the streaming in-process engine itself; with
-    ``streaming`` (partial rollouts, oversampling) the fleet of servers as a
-    :class:`~megatron_rl.rollout.fleet_stream.FleetStream`; anything else through
-    :class:`BackgroundGenerate` (a wave at once, in prompt order: today's loop exactly)."""
-    if isinstance(engine, GroupStream):
-        return engine
-    from megatron_rl.rollout.fleet import EngineFleet
-
-    if streaming and isinstance(engine, EngineFleet):
-        from megatron_rl.rollout.fleet_stream import FleetStream
-
-        return FleetStream(engine)
-    return BackgroundGenerate(engine)
 
 
 class BackgroundGenerate(GroupStream):

@@ -39,8 +39,8 @@ import torch
 from megatron_rl.algo import AlgoConfig, filter_groups
 from megatron_rl.data import PromptLoader
 from megatron_rl.rewards import RewardManager
-from megatron_rl.rollout import Completion, RolloutConfig, RolloutEngine, SamplingSpec
-from megatron_rl.rollout.streaming import BackgroundGenerate, GroupStream, group_stream
+from megatron_rl.rollout import Completion, RolloutConfig, RolloutEngine, SamplingSpec, group_stream
+from megatron_rl.rollout.streaming import BackgroundGenerate, GroupStream
 from megatron_rl.trainer.config import StageConfig
 from megatron_rl.trainer.context import Context
 from megatron_rl.trainer.phases import Rollout, reward_item, sampling_seed
