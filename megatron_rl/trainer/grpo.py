@@ -110,6 +110,8 @@ def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: Pro
                 metrics.update(rollouts.before_sync() if rollouts is not None else {})
                 state.weight_version += 1
                 metrics.update(sync_weights(ctx, state.weight_version))
+                if rollouts is not None:
+                    rollouts.after_sync()
         note = "" if batch is not None else no_update_reason(metrics)
         watch.record(batch is not None, metrics, sample)
         if ctx.is_driver and ctx.observer is not None and ro is not None:
