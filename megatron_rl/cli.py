@@ -41,12 +41,19 @@ def _setup_logging() -> None:
     set_console_verbose(False)
 
 
+def model_dir(cfg) -> str:
+    """The model the run starts from: ``model.path``, or the tiny model written into the run dir."""
+    from megatron_rl.demo import tiny_model_dir
+
+    return cfg.model.path or str(tiny_model_dir(cfg.trainer.run_dir))
+
+
 def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[str],
            verbose: bool = False) -> int:
     """The entry point of a run: config, CPU shim, process groups, the demo's inputs, the trainer's
     parts, signal handlers, then the stages."""
     from megatron_rl.compat import apply_cpu_shim
-    from megatron_rl.demo import prepare_inputs, tiny_model_dir
+    from megatron_rl.demo import prepare_inputs
     from megatron_rl.models import init_distributed
     from megatron_rl.models.hf_config import read_hf_config
     from megatron_rl.tracking.logs import hidden_warnings, route_logs
@@ -67,7 +74,7 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
     logs = route_logs(cfg.trainer.run_dir, verbose=cfg.tracking.console_libraries, rank=groups.rank)
     if groups.rank == 0:
         logging.getLogger("megatron_rl").info("libraries' logs: %s", logs)
-    model_path = cfg.model.path or str(tiny_model_dir(cfg.trainer.run_dir))
+    model_path = model_dir(cfg)
     if groups.rank == 0:
         prepare_inputs(cfg.trainer.run_dir, tiny=None if cfg.model.path else cfg.model.tiny,
                        synthetic=cfg.synthetic, seed=cfg.trainer.seed)
@@ -129,18 +136,25 @@ def _engines(config: str, run_dir: str | None, node: str | None, host: str | Non
     return 0
 
 
+# Exit code of a run stopped by trainer.max_steps_without_update (2: a config error, 99: requeue).
+NO_UPDATE_EXIT_CODE = 3
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand. An :class:`~megatron_rl.common.errors.InputError` (a config value, data
     file, model or checkpoint that cannot work) is printed as one line, ``megatron-rl: ...``, and
-    the exit code is 2; any other exception is a bug and keeps its traceback."""
+    the exit code is 2; a run that trains nothing (:class:`~megatron_rl.trainer.no_update.NoUpdateStop`)
+    prints its diagnosis the same way with exit code 3; any other exception is a bug and keeps its
+    traceback."""
     from megatron_rl.common.errors import InputError
+    from megatron_rl.trainer.no_update import NoUpdateStop
 
     try:
         return _main(list(sys.argv[1:] if argv is None else argv))
-    except InputError as exc:
+    except (InputError, NoUpdateStop) as exc:
         rank = int(os.environ.get("RANK", "0"))
         print(f"megatron-rl: {'' if rank == 0 else f'(rank {rank}) '}{exc}", file=sys.stderr)
-        return 2
+        return NO_UPDATE_EXIT_CODE if isinstance(exc, NoUpdateStop) else 2
 
 
 def _main(argv: list[str]) -> int:

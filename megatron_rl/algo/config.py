@@ -15,7 +15,7 @@ TruncationMask = Literal["none", "before", "after"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 EntropyMode = Literal["off", "fixed", "adaptive"]
 EntropyEstimator = Literal["full", "sampled"]
-KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
+KLEstimator = Literal["k1", "k2", "k3_unclamped", "low_var_kl"]
 MismatchMode = Literal["none", "tis_token", "tis_seq", "icepop"]
 
 
@@ -82,9 +82,11 @@ class EntropyConfig(ConfigBase):
 class KLConfig(ConfigBase):
     # KL to the reference policy; off in the recipe (the report: it pins the policy late in training).
     enabled: bool = False
-    # Per-token estimator of KL(pi || ref): k1 = log r, k2 = (log r)^2 / 2, k3 = r' - 1 - log r'
-    # with r' = ref / pi (Schulman's low-variance estimator); "low_var_kl" = k3 clamped to [-10, 10].
-    estimator: KLEstimator = "low_var_kl"
+    # Per-token estimator of KL(pi || ref), log r = log pi - log ref: "k1" = log r; "k2" =
+    # (log r)^2 / 2; "k3_unclamped" = 1/r - 1 + log r (Schulman's unbiased low-variance estimator);
+    # "low_var_kl" = that, clamped to [-10, 10]. A bare "k3" is refused: verl's k3 IS low_var_kl
+    # (clamped), elsewhere k3 is the unclamped one, so the name does not say which is meant.
+    estimator: str = "low_var_kl"
     # Weight of the KL term (loss) or of the per-sequence KL penalty subtracted from the reward.
     coef: float = 0.001
     # True: KL is a reward penalty (see algo.kl.kl_reward_penalty), not a loss term.
@@ -92,6 +94,9 @@ class KLConfig(ConfigBase):
 
     def validate(self) -> None:
         super().validate()
+        if self.estimator == "k3":
+            self.fail("estimator", "'k3' is ambiguous: verl's k3 is clamped to [-10, 10] (here "
+                                   "'low_var_kl'); the plain estimator is 'k3_unclamped'")
         check_choice(self, "estimator", get_args(KLEstimator))
         self.check_range("coef", lo=0.0)
 

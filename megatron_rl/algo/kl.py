@@ -15,15 +15,16 @@ KL_ESTIMATORS = get_args(KLEstimator)
 def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
     """Per-token estimate of KL(pi || ref) from sampled-token log-probs [b,T].
 
-    With log r = log pi - log ref: k1 = log r; k2 = (log r)^2 / 2; k3 = exp(-log r) - 1 + log r
-    (unbiased, non-negative); low_var_kl = k3 clamped to [-10, 10] (verl's name).
+    With log r = log pi - log ref: k1 = log r; k2 = (log r)^2 / 2; k3_unclamped = exp(-log r) -
+    1 + log r (unbiased, non-negative; log r is bounded to [-20, 20] only against overflow);
+    low_var_kl = k3_unclamped clamped to [-10, 10] (what verl calls both "low_var_kl" and "k3").
     """
     log_r = logp - ref_logp
     if estimator == "k1":
         return log_r
     if estimator == "k2":
         return 0.5 * log_r.square()
-    if estimator in ("k3", "low_var_kl"):
+    if estimator in ("k3_unclamped", "low_var_kl"):
         log_r = log_r.clamp(-20.0, 20.0)
         k3 = torch.exp(-log_r) - 1.0 + log_r
         return k3.clamp(-10.0, 10.0) if estimator == "low_var_kl" else k3

@@ -45,6 +45,30 @@ def _default(f) -> str:
     return "required"
 
 
+def _section(tp) -> type | None:
+    """The config class a field of type ``tp`` holds (``X``, ``X | None``, ``list[X]``), if any."""
+    nested = [a for a in (tp, *typing.get_args(tp)) if isinstance(a, type) and issubclass(a, ConfigBase)]
+    return nested[0] if nested else None
+
+
+def leaf_keys(cls, prefix: str = "") -> list[str]:
+    """Every leaf key of ``cls``, dotted; an optional section is expanded and a list of sections
+    (the stages) is represented by its first item (``stages.0.name``)."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp = hints[f.name]
+        nested = _section(tp)
+        if nested is None:
+            keys.append(f"{prefix}{yaml_key(f)}")
+        else:
+            item = ".0" if typing.get_origin(tp) is list else ""
+            keys += leaf_keys(nested, f"{prefix}{yaml_key(f)}{item}.")
+    return keys
+
+
 def render(cls, prefix: str = "", seen=None) -> list[str]:
     """One markdown table row per key of ``cls`` (nested sections recursively)."""
     rows = []
@@ -53,11 +77,11 @@ def render(cls, prefix: str = "", seen=None) -> list[str]:
     for f in dataclasses.fields(cls):
         key = f"{prefix}{yaml_key(f)}"
         tp = hints[f.name]
-        nested = [a for a in (tp, *typing.get_args(tp)) if isinstance(a, type) and issubclass(a, ConfigBase)]
-        if nested:
-            rows.append(f"| `{key}` | section | | {comments.get(f.name, nested[0].__doc__ or '').strip()} |")
+        nested = _section(tp)
+        if nested is not None:
+            rows.append(f"| `{key}` | section | | {comments.get(f.name, nested.__doc__ or '').strip()} |")
             item = "[i]" if typing.get_origin(tp) is list else ""
-            rows += render(nested[0], f"{key}{item}.", seen)
+            rows += render(nested, f"{key}{item}.", seen)
         else:
             doc = comments.get(f.name, "").replace("|", "\\|")
             rows.append(f"| `{key}` | `{_type_str(tp)}` | `{_default(f)}` | {doc} |")

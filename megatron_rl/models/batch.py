@@ -32,6 +32,15 @@ class SequenceBatch:
     def __len__(self) -> int:
         return len(self.sequences)
 
+    def select(self, indices) -> SequenceBatch:
+        """The sequences at ``indices`` (a list or 1-D tensor), in that order, with their fields."""
+        idx = [int(i) for i in indices]
+        at = torch.tensor(idx, dtype=torch.long)
+        return SequenceBatch(sequences=[self.sequences[i] for i in idx],
+                             prompt_lens=[self.prompt_lens[i] for i in idx],
+                             token_fields={k: [v[i] for i in idx] for k, v in self.token_fields.items()},
+                             seq_fields={k: v[at] for k, v in self.seq_fields.items()})
+
     @property
     def response_lens(self) -> list[int]:
         return [len(s) - p for s, p in zip(self.sequences, self.prompt_lens)]

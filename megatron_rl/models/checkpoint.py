@@ -109,3 +109,20 @@ def load_checkpoint(policy: Checkpointable, ckpt_dir: str | Path) -> None:
         if rng["layout"] == _layout(policy):
             torch.set_rng_state(rng["cpu"])
             set_rng_tracker_states(rng["tracker"])
+
+
+def load_model_weights(chunks: list, groups: ParallelGroups, ckpt_dir: str | Path) -> None:
+    """Only the model weights of a checkpoint written by :func:`save_checkpoint` into ``chunks``
+    (bare ``GPTModel`` chunks of this rank, any layout): what a frozen copy of the policy needs."""
+    from megatron.core import dist_checkpointing
+
+    groups.check_current()
+    path = Path(ckpt_dir)
+    if not (path / "metadata.json").is_file():
+        raise FileNotFoundError(f"{path} is not a Megatron distributed checkpoint "
+                                f"(no metadata.json)")
+    with megatron_cpu_scope():
+        wanted = {f"model_chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+        loaded = dist_checkpointing.load(wanted, str(path))
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(loaded[f"model_chunk{i}"])

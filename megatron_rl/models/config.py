@@ -150,6 +150,19 @@ class RecomputeConfig(ConfigBase):
 
 
 @dataclasses.dataclass(kw_only=True)
+class ReferenceConfig(ConfigBase):
+    """The reference policy of the KL term (``algo.kl``): frozen weights on the policy's layout,
+    forward only, its log-probs computed with the old log-probs at the sampling temperature."""
+
+    # Hugging Face checkpoint of the reference weights; empty: the weights the first GRPO stage
+    # starts from (trainer.init_from, else the SFT cold start's result, else model.path).
+    path: str = ""
+    # GPUs: keep the reference's weights in host memory between uses (copied to the GPU for each
+    # forward, back after it). Refused on CPU-only runs, where they are in host memory already.
+    offload: bool = False
+
+
+@dataclasses.dataclass(kw_only=True)
 class PolicyConfig(ConfigBase):
     """The Megatron-Core policy: layout, optimizer, micro-batching, precision, seed."""
 
@@ -174,6 +187,8 @@ class PolicyConfig(ConfigBase):
     params_dtype: Literal["fp32", "bf16"] = "fp32"
     # Seed of Megatron's model-parallel RNG (dropout, initialisation of anything not loaded).
     seed: int = 1234
+    # The reference policy (used only when algo.kl.enabled).
+    reference: ReferenceConfig = dataclasses.field(default_factory=ReferenceConfig)
 
     def validate(self) -> None:
         super().validate()

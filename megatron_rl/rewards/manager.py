@@ -12,7 +12,7 @@ import logging
 import time
 from collections import Counter, defaultdict
 
-from megatron_rl.rewards.base import (CORRECT, ERROR, TIMEOUT, UNPARSABLE, Outcome, RewardItem,
+from megatron_rl.rewards.base import (CORRECT, ERROR, TIMEOUT, UNPARSABLE, WRONG, Outcome, RewardItem,
                                       get_style, registered_styles)
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rewards.judge import judge_batch
@@ -136,6 +136,8 @@ class RewardManager:
             "reward/mean": sum(scores) / max(len(scores), 1),
             "reward/count": float(len(scores)),
             "reward/time_s": seconds,
+            "reward/correct": float(counts[CORRECT]),
+            "reward/wrong": float(counts[WRONG]),
             "reward/timeouts": float(counts[TIMEOUT]),
             "reward/errors": float(counts[ERROR]),
             "reward/unparsable": float(counts[UNPARSABLE]),

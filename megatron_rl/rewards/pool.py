@@ -8,6 +8,11 @@ A worker that dies (segfault, OOM kill) reports ``error`` for its task and is re
 Workers are spawned (never forked from a trainer holding threads and CUDA state); each imports the
 modules that define the task functions once, calls their ``warmup()`` if they have one, then
 reports ready; task deadlines start only when a ready worker receives the task.
+
+Each worker's stderr goes to its own log file, so a worker that dies says why: a start failure
+raises with the end of that log (a spawned worker first re-imports the launcher's ``__main__``
+module, so a launcher without an ``if __name__ == "__main__":`` guard fails there, before any of
+our code runs, and only its stderr tells), and a death during a task logs it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import logging
 import multiprocessing as mp
 import os
 import resource
+import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_any
@@ -26,6 +34,10 @@ log = logging.getLogger(__name__)
 
 # Consecutive worker deaths before "ready" after which the pool gives up (a broken environment).
 _MAX_START_FAILURES = 3
+# How much of a dead worker's stderr log an error message quotes (its end).
+_LOG_TAIL_CHARS = 4000
+# Serialises the moment fd 2 points at a worker's log (see _start_with_stderr).
+_SPAWN_LOCK = threading.Lock()
 
 
 @dataclass
@@ -74,12 +86,35 @@ def _worker_main(conn, preload: tuple[str, ...], memory_mb: int) -> None:
             conn.send((task_id, "error", f"{type(exc).__name__}: {exc}"[:2000]))
 
 
+def _start_with_stderr(proc, log_path: str) -> None:
+    """``proc.start()`` with the child's stderr (fd 2) writing to ``log_path``.
+
+    A spawned child inherits fd 2 and prints there whatever kills it before our code runs
+    (re-importing ``__main__``, unpickling its target); multiprocessing has no option for the
+    child's stdio, so fd 2 points at the log for the instant of the spawn and is then restored.
+    """
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # started inside the window, it would keep the log as stderr
+    with _SPAWN_LOCK, open(log_path, "ab", buffering=0) as log_file:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            os.dup2(log_file.fileno(), 2)
+            proc.start()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 class _Worker:
-    def __init__(self, ctx, preload, memory_mb):
+    def __init__(self, ctx, preload, memory_mb, log_dir: str):
         parent, child = ctx.Pipe()
         self.conn = parent
         self.proc = ctx.Process(target=_worker_main, args=(child, preload, memory_mb), daemon=True)
-        self.proc.start()
+        fd, self.log_path = tempfile.mkstemp(prefix="worker-", suffix=".stderr", dir=log_dir)
+        os.close(fd)
+        _start_with_stderr(self.proc, self.log_path)
         child.close()
         self.started = time.monotonic()
         self.ready = False
@@ -91,6 +126,19 @@ class _Worker:
             self.proc.kill()
         self.proc.join(timeout=5)
         self.conn.close()
+        try:
+            os.unlink(self.log_path)
+        except OSError:
+            pass
+
+    def stderr_tail(self) -> str:
+        """The end of what this worker wrote to stderr ("" if nothing)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - _LOG_TAIL_CHARS))
+                return f.read().decode("utf-8", "replace").strip()
+        except OSError:
+            return ""
 
 
 class HardTimeoutPool:
@@ -105,6 +153,7 @@ class HardTimeoutPool:
         self._preload = tuple(preload)
         self._memory_mb = memory_mb
         self._start_timeout_s = start_timeout_s
+        self._log_dir = tempfile.TemporaryDirectory(prefix="mrl-reward-workers-")
         self._workers = [self._spawn() for _ in range(num_workers)]
         self.restarts = 0
         self._next_id = 0
@@ -112,7 +161,7 @@ class HardTimeoutPool:
         self._closed = False
 
     def _spawn(self) -> _Worker:
-        return _Worker(self._ctx, self._preload, self._memory_mb)
+        return _Worker(self._ctx, self._preload, self._memory_mb, self._log_dir.name)
 
     def _replace(self, i: int) -> None:
         self._workers[i].kill()
@@ -160,17 +209,22 @@ class HardTimeoutPool:
                             # few times, then give up loudly (a broken environment, not a sample)
                             self._start_failures += 1
                             if self._start_failures > _MAX_START_FAILURES:
-                                code = w.proc.exitcode
+                                w.proc.join(timeout=5)
+                                code, tail = w.proc.exitcode, w.stderr_tail()
                                 w.kill()
                                 raise RuntimeError(
                                     f"reward worker failed to start {self._start_failures} times in a "
-                                    f"row (last exit code {code}); preloaded: {self._preload}")
+                                    f"row (last exit code {code}); preloaded: {self._preload}; the "
+                                    f"worker's stderr ended with:\n{tail or '(nothing)'}")
                             self._replace(i)
                             continue
                         t = w.task
+                        w.proc.join(timeout=5)
                         results[t] = TaskResult("error", error=f"worker died (exit {w.proc.exitcode})")
                         done += 1
-                        log.warning("reward worker died on task %d; respawning", t)
+                        log.warning("reward worker died on task %d (exit %s); respawning. Its stderr "
+                                    "ended with:\n%s", t, w.proc.exitcode,
+                                    w.stderr_tail() or "(nothing)")
                         self._replace(i)
                     elif msg[0] == "ready":
                         w.ready = True
@@ -192,9 +246,11 @@ class HardTimeoutPool:
                                 w.task, w.proc.pid)
                     self._replace(i)
                 elif not w.ready and now > w.started + self._start_timeout_s:
+                    tail = w.stderr_tail()
                     w.kill()
                     raise RuntimeError(f"reward worker did not start within "
-                                       f"{self._start_timeout_s}s")
+                                       f"{self._start_timeout_s}s; its stderr ended with:\n"
+                                       f"{tail or '(nothing)'}")
         return results  # type: ignore[return-value]
 
     def close(self) -> None:
@@ -209,6 +265,7 @@ class HardTimeoutPool:
         for w in self._workers:
             w.proc.join(timeout=2)
             w.kill()
+        self._log_dir.cleanup()
 
     def __enter__(self):
         return self

@@ -63,5 +63,23 @@ def connect_fleet(cfg: RolloutConfig, *, registry_dir: str | None = None, names:
     return EngineFleet(servers, cfg, locate=locate)
 
 
+def group_stream(engine: RolloutEngine, streaming: bool):
+    """The :class:`~megatron_rl.rollout.streaming.GroupStream` the async scheduler drives for ``engine``: the streaming in-process engine itself; with
+    ``streaming`` (partial rollouts, oversampling) the fleet of servers as a
+    :class:`~megatron_rl.rollout.fleet_stream.FleetStream`; anything else through
+    :class:`BackgroundGenerate` (a wave at once, in prompt order: today's loop exactly)."""
+    from megatron_rl.rollout.fleet import EngineFleet
+    from megatron_rl.rollout.streaming import BackgroundGenerate, GroupStream
+
+    if isinstance(engine, GroupStream):
+        return engine
+    if streaming and isinstance(engine, EngineFleet):
+        from megatron_rl.rollout.fleet_stream import FleetStream
+
+        return FleetStream(engine)
+    return BackgroundGenerate(engine)
+
+
 __all__ = ["PAUSE_MODES", "UNKNOWN_VERSION", "Completion", "EngineDied", "EngineError", "EngineTimeout",
-           "PauseMode", "RolloutConfig", "RolloutEngine", "SamplingSpec", "connect_fleet", "make_engine"]
+           "PauseMode", "RolloutConfig", "RolloutEngine", "SamplingSpec", "connect_fleet", "group_stream",
+           "make_engine"]

@@ -21,13 +21,14 @@ class AsyncConfig(ConfigBase):
     # 1: one-step-off: step k+1's rollouts are generated while step k trains. Higher values allowed.
     max_staleness: int = 0
     # At a weight update, requests in flight are frozen, the new weights loaded and generation
-    # resumed (vLLM's pause mode "keep"; their KV is recomputed with the new weights); each response
-    # records the version of each of its segments. Off: a weight update first waits for the
-    # requests in flight. Needs max_staleness >= 1 and the in-process engine (engine "vllm").
+    # resumed (servers: /pause?mode=keep, load, /resume; in-process: between two engine steps; their
+    # KV is recomputed with the new weights); each response records the version of each of its
+    # segments. Off: a weight update first waits for the requests in flight. Needs max_staleness >= 1.
     partial_rollout: bool = False
     # Dispatch this fraction more prompts than a step needs (0.25: 25% more); the step takes the
     # first groups to finish, the others keep generating for later steps, and a group older than
-    # max_staleness is dropped (and counted). Cuts the long tail. Needs the in-process engine.
+    # max_staleness is dropped (and counted); leftovers that cannot be trained on in time are
+    # aborted (servers: /abort_requests). Cuts the long tail.
     oversample: float = 0.0
     # DAPO dynamic sampling: keep drawing prompts until the step has rollout_batch_size groups with
     # reward variance (zero-variance groups are generated, counted and dropped). Needs
@@ -157,12 +158,6 @@ class RolloutConfig(ConfigBase):
         self.check_range("kv_cache_bytes", lo=0)
         self.check_range("gpu_memory_utilization", lo=0.0, hi=1.0, lo_open=True)
         self.check_range("eval_max_tokens", lo=1)
-        if self.async_.needs_streaming and self.engine != "vllm":
-            what = "partial_rollout" if self.async_.partial_rollout else "oversample"
-            self.async_.fail(what, "needs an engine that loads weights with requests in flight and stops them "
-                              "early: rollout.engine='vllm' (the in-process engine); the server fleet has "
-                              "pause(mode='keep') / resume and per-token weight versions to build it on, "
-                              f"not wired into the scheduler yet; got engine={self.engine!r}")
 
     def expected_engines(self) -> int:
         """How many engines the trainer waits for."""

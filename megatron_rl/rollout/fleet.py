@@ -73,6 +73,9 @@ class EngineFleet(RolloutEngine):
         self._slots = [_Slot(e) for e in engines]
         self._lock = threading.Lock()
         self._requeued = 0
+        # request id -> [its submit task, the slot serving it (None while it waits for room)]
+        self._requests: dict[str, list] = {}
+        self._paused = False  # between pause() and resume()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-loop", daemon=True)
         self._thread.start()
@@ -182,31 +185,78 @@ class EngineFleet(RolloutEngine):
         return list(await asyncio.gather(*(self.submit(p, sampling.for_prompt(i))
                                            for i, p in enumerate(prompt_ids))))
 
-    def submit_threadsafe(self, prompt_ids: list[int], sampling: SamplingSpec) -> cf.Future:
+    def submit_threadsafe(self, prompt_ids: list[int], sampling: SamplingSpec,
+                          request_id: str | None = None) -> cf.Future:
         """:meth:`submit` from any thread; the result is a ``concurrent.futures.Future``."""
-        return asyncio.run_coroutine_threadsafe(self.submit(prompt_ids, sampling), self._loop)
+        return asyncio.run_coroutine_threadsafe(self.submit(prompt_ids, sampling, request_id), self._loop)
 
-    async def submit(self, prompt_ids: list[int], sampling: SamplingSpec) -> list[Completion]:
-        """One prompt to the least-loaded live engine; re-sent elsewhere if that engine fails."""
-        while True:
-            slot = await self._acquire(sampling.n)
-            try:
-                return await self._send(slot, prompt_ids, sampling)
-            except _Requeue as exc:
+    async def submit(self, prompt_ids: list[int], sampling: SamplingSpec,
+                     request_id: str | None = None) -> list[Completion]:
+        """One prompt to the least-loaded live engine; re-sent elsewhere if that engine fails.
+        ``request_id`` (unique among the requests in flight) lets :meth:`abort` stop it."""
+        if request_id is not None:
+            with self._lock:
+                self._requests[request_id] = [asyncio.current_task(), None]
+        try:
+            while True:
+                slot = await self._acquire(sampling.n)
+                if request_id is not None:
+                    with self._lock:
+                        self._requests[request_id][1] = slot
+                try:
+                    return await self._send(slot, prompt_ids, sampling, request_id)
+                except _Requeue as exc:
+                    with self._lock:
+                        self._requeued += 1
+                    log.info("re-sending a request of engine %s: %s", slot.engine.name, exc)
+                finally:
+                    self._release(slot, sampling.n)
+        finally:
+            if request_id is not None:
                 with self._lock:
-                    self._requeued += 1
-                log.info("re-sending a request of engine %s: %s", slot.engine.name, exc)
-            finally:
-                self._release(slot, sampling.n)
+                    self._requests.pop(request_id, None)
 
-    async def _send(self, slot: _Slot, prompt_ids: list[int], sampling: SamplingSpec) -> list[Completion]:
+    def abort(self, request_ids: list[str]) -> int:
+        """Stop these requests (from any thread): their :meth:`submit` is cancelled, and the engines
+        serving them drop them (``/abort_requests``). Returns how many were still in flight."""
+        return self._run(self._abort(list(request_ids)))
+
+    async def _abort(self, request_ids: list[str]) -> int:
+        serving: dict[int, tuple[_Slot, list[str]]] = {}
+        found = 0
+        with self._lock:
+            entries = [(rid, self._requests.pop(rid, None)) for rid in request_ids]
+        for rid, entry in entries:
+            if entry is None:  # finished (or never sent)
+                continue
+            found += 1
+            task, slot = entry
+            task.cancel()
+            if slot is not None:
+                serving.setdefault(id(slot), (slot, []))[1].append(rid)
+        for slot, rids in serving.values():
+            stop = getattr(slot.engine, "abort", None)
+            if stop is None:
+                continue
+            try:
+                await asyncio.to_thread(stop, rids)
+            except EngineError as exc:  # its requests are cancelled here anyway
+                log.warning("engine %s: aborting %d requests failed: %s", slot.engine.name, len(rids), exc)
+        return found
+
+    async def _send(self, slot: _Slot, prompt_ids: list[int], sampling: SamplingSpec,
+                    request_id: str | None = None) -> list[Completion]:
         from megatron_rl.rollout.server import RequestRejected
 
-        request = asyncio.ensure_future(slot.engine.submit(prompt_ids, sampling))
+        extra = {} if request_id is None else {"request_id": request_id}
+        request = asyncio.ensure_future(slot.engine.submit(prompt_ids, sampling, **extra))
         down = asyncio.ensure_future(slot.down.wait())
         slot.tasks.add(request)
         try:
             await asyncio.wait({request, down}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # aborted: the HTTP request goes too
+            request.cancel()
+            raise
         finally:
             slot.tasks.discard(request)
             down.cancel()
@@ -276,10 +326,24 @@ class EngineFleet(RolloutEngine):
         self._each_live(lambda e: e.reset_prefix_cache())
 
     def pause(self, mode: PauseMode = "keep") -> None:
+        self._paused = True
         self._each_live(lambda e: e.pause(mode))
 
     def resume(self) -> None:
-        self._each_live(lambda e: e.resume())
+        """Every engine that is not down, those rejoining too: one that failed a sync while paused
+        must not stay paused once it is admitted again."""
+        self._paused = False
+        for engine in self.sync_targets():
+            try:
+                engine.resume()
+            except EngineError as exc:
+                self.mark_down(engine, str(exc))
+
+    def resume_paused(self, engine: RolloutEngine) -> None:
+        """While the fleet is paused (partial rollouts across a weight sync): let ``engine`` run
+        again, its new weights loaded (the sync's probe needs it to compute). Raises EngineError."""
+        if self._paused:
+            engine.resume()
 
     def sleep(self) -> None:
         self._each_live(lambda e: e.sleep())

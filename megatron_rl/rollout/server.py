@@ -10,7 +10,7 @@ same samples on any server holding the same weights).
 
 Scoring (the weight sync's probe): prompt log-probs from ``/v1/completions``.
 
-Control: ``/health``, ``/pause?mode=`` and ``/resume``, ``/reset_prefix_cache``, ``/weight_info`` and
+Control: ``/health``, ``/pause?mode=`` and ``/resume``, ``/abort_requests``, ``/reset_prefix_cache``, ``/weight_info`` and
 ``/update_weight_version``, ``/sleep`` / ``/wake_up``, ``/collective_rpc``. Weights travel through
 vLLM's weight-transfer routes (``/init_weight_transfer_engine`` ... ``/finish_weight_update``), driven
 by the weight sync (``megatron_rl.sync.vllm_protocol``) with ``weight_sync_client()``.
@@ -91,6 +91,9 @@ def parse_choices(reply: dict, n: int, where: str) -> list[dict]:
 
 
 GENERATE = "/inference/v1/generate"  # needs the server's --enable-scale-out
+# The generate route names a request "generate-tokens-<request_id of the body>" inside vLLM
+# (vllm/entrypoints/scale_out/token_in_token_out/serving.py); /abort_requests takes that name.
+GENERATE_ID_PREFIX = "generate-tokens-"
 
 
 class VLLMServer(RolloutEngine):
@@ -171,7 +174,18 @@ class VLLMServer(RolloutEngine):
         self.weight_version = version
 
     def reset_prefix_cache(self) -> None:
-        self._call("POST", "/reset_prefix_cache")
+        """Drop every cached block, including those of requests running (or frozen by a ``keep``
+        pause): they are preempted and recomputed with the current weights when they run again."""
+        ok = self._call("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}).json()
+        if not ok.get("success", True):
+            raise EngineError(f"engine {self.name} ({self.url}): /reset_prefix_cache refused (blocks still held)")
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop these requests (ids given with ``submit``); they answer at once with the tokens they
+        have and finish reason ``abort``. Unknown (finished) ids are ignored."""
+        if request_ids:
+            ids = [GENERATE_ID_PREFIX + rid for rid in request_ids]
+            self._call("POST", "/abort_requests", json={"request_ids": ids})
 
     def pause(self, mode: PauseMode = "keep") -> None:
         # clear_cache only applies to abort / wait; "keep" keeps the cache for the frozen requests.

@@ -2,9 +2,10 @@
 
 The async rollout scheduler (``megatron_rl.trainer.async_rollout``) hands prompts to a
 :class:`GroupStream` and is called back with every group (one prompt's ``n`` samples) as it
-finishes, while the trainer trains on earlier ones. Two implementations:
+finishes, while the trainer trains on earlier ones (``megatron_rl.rollout.group_stream`` picks one).
+Three implementations; the fleet of vLLM servers' is ``megatron_rl.rollout.fleet_stream``. Here:
 
-- :class:`BackgroundGenerate` wraps any :class:`RolloutEngine` (in-process, remote, a pool): each
+- :class:`BackgroundGenerate` wraps any other :class:`RolloutEngine`: each
   ``submit`` is one ``generate`` call on a background thread; the whole list finishes at once, and
   weights can only be loaded once it has (``keeps_in_flight`` is False).
 - :class:`StreamingVLLMEngine` is the in-process vLLM engine stepped by a thread of ours
@@ -65,6 +66,13 @@ class GroupStream(ABC):
     @abstractmethod
     def in_flight(self) -> int:
         """Groups submitted and not yet delivered."""
+
+    def before_weight_update(self) -> None:
+        """Partial rollouts: freeze what is in flight before new weights are loaded (servers:
+        ``/pause?mode=keep``). Default: nothing (the engine loads weights between two steps)."""
+
+    def after_weight_update(self) -> None:
+        """Partial rollouts: continue what :meth:`before_weight_update` froze."""
 
 
 class BackgroundGenerate(GroupStream):

@@ -22,11 +22,31 @@ from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.reload import reload_in_place
 
 
+def cpu_thread_binding(tensor_parallel_size: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tensor_parallel_size`` CPU workers in this process.
+
+    vLLM's default ("auto") binds one worker per NUMA node and refuses TP > 1 on a one-node
+    machine; this splits the cores this process may use into one contiguous list per worker
+    ("0|1" for two cores), or "nobind" when there are fewer cores than workers.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    if tensor_parallel_size > len(cores):
+        return "nobind"
+    bounds = [round(i * len(cores) / tensor_parallel_size) for i in range(tensor_parallel_size + 1)]
+    return "|".join(",".join(str(c) for c in cores[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:]))
+
+
 class VLLMEngine(RolloutEngine):
     def __init__(self, model_path: str, cfg: RolloutConfig, *, seed: int = 0, max_model_len: int | None = None,
                  name: str = "engine0"):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
+        from vllm import envs as vllm_envs
+
+        if (not torch.cuda.is_available() and cfg.tensor_parallel_size > 1
+                and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto"):
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(cfg.tensor_parallel_size)
+            vllm_envs.disable_envs_cache()  # an engine started before in this process cached it
 
         self.cfg = cfg
         self.name = name
@@ -156,4 +176,7 @@ class VLLMEngine(RolloutEngine):
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None:  # stops the worker processes of TP > 1 now, not when collected
+            core.shutdown()
         del self.llm

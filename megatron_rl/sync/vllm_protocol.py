@@ -284,11 +284,16 @@ class ServerWeightSync(WeightSync):
 
     def _commit(self, engine, version: int) -> dict | None:
         """Reset the engine's prefix cache, tag and check its version, score the probe (what it
-        computes with the new weights), then admit it. Returns its probe gap (None: no probe)."""
-        engine.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        computes with the new weights), then admit it. Returns its probe gap (None: no probe).
+
+        Partial rollouts (the fleet paused with mode keep for the sync): the engine resumes before
+        the probe, which must run; its frozen requests continue then, with the new weights (the
+        reset dropped their KV, so it is recomputed), under the new version's label."""
+        engine.reset_prefix_cache()  # cached blocks (running requests' too) hold the old weights' KV
         engine.set_weight_version(version)
         for check in self.checks:
             check(engine, version)
+        self.fleet.resume_paused(engine)
         gap = probe.check(engine, self.probe) if (self.config.verify and self.probe is not None) else None
         self.fleet.admit(engine)
         return gap

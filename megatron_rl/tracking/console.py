@@ -47,8 +47,10 @@ class StageProgress:
             self._task = self._progress.add_task(self.name, total=self.total, completed=self.done, acc="")
         return self
 
-    def advance(self, step: int, metrics: dict) -> None:
-        log.info("[%s %d/%d] %s", self.name, step, self.total, step_line(metrics))
+    def advance(self, step: int, metrics: dict, note: str = "") -> None:
+        """Log the step's line; ``note`` (e.g. why there was no update) ends it."""
+        line = " ".join(part for part in (step_line(metrics), note) if part)
+        log.info("[%s %d/%d] %s", self.name, step, self.total, line)
         if self._progress is not None:
             acc = metrics.get("rollout/accuracy")
             self._progress.update(self._task, completed=step, acc="" if acc is None else f"acc {acc:.3f}")

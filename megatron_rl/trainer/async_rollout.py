@@ -39,7 +39,7 @@ import torch
 from megatron_rl.algo import AlgoConfig, filter_groups
 from megatron_rl.data import PromptLoader
 from megatron_rl.rewards import RewardManager
-from megatron_rl.rollout import Completion, RolloutConfig, RolloutEngine, SamplingSpec
+from megatron_rl.rollout import Completion, RolloutConfig, RolloutEngine, SamplingSpec, group_stream
 from megatron_rl.rollout.streaming import BackgroundGenerate, GroupStream
 from megatron_rl.trainer.config import StageConfig
 from megatron_rl.trainer.context import Context
@@ -137,7 +137,7 @@ class RolloutScheduler:
         self.loader = loader
         self.reward_mgr = reward_mgr
         self.max_response_len = max_response_len
-        self.stream: GroupStream = engine if isinstance(engine, GroupStream) else BackgroundGenerate(engine)
+        self.stream: GroupStream = group_stream(engine, self.acfg.needs_streaming)
         if self.acfg.needs_streaming and not (self.stream.keeps_in_flight and self.stream.can_abort):
             raise ValueError(f"rollout.async: partial_rollout / oversample need an engine that loads weights "
                              f"with requests in flight; {type(engine).__name__} cannot")
@@ -204,9 +204,13 @@ class RolloutScheduler:
         return self._as_rollout(resolved), metrics
 
     def before_sync(self) -> dict:
-        """Before a weight update: without partial rollouts, the requests in flight finish first."""
+        """Before a weight update: without partial rollouts, the requests in flight finish first;
+        with them, they are frozen (servers: paused in mode keep) until :meth:`after_sync`."""
         report = {"async/sync_wait_s": 0.0} if self.acfg.enabled else {}
-        if self.acfg.partial_rollout or not self.stream.in_flight():
+        if self.acfg.partial_rollout:
+            self.stream.before_weight_update()
+            return report
+        if not self.stream.in_flight():
             return report
         t0 = time.perf_counter()
         deadline = t0 + self.r.timeout_s
@@ -216,6 +220,11 @@ class RolloutScheduler:
                                    f"rollout.timeout_s={self.r.timeout_s}s before a weight update")
             time.sleep(0.005)
         return {k: time.perf_counter() - t0 for k in report}
+
+    def after_sync(self) -> None:
+        """After a weight update: partial rollouts continue, their later tokens from the new weights."""
+        if self.acfg.partial_rollout:
+            self.stream.after_weight_update()
 
     def close(self) -> None:
         """End of the stage: stop what is in flight (or let it finish) and forget the leftovers."""

@@ -91,6 +91,37 @@ def _choose(ctx: Context, stage_name: str) -> tuple[Path | None, bool]:
     return choice
 
 
+def ensure_reference(ctx: Context) -> None:
+    """Build the KL reference policy once (when ``algo.kl.enabled``), on every rank.
+
+    Its weights are ``policy.reference.path`` (a Hugging Face checkpoint) or, by default, the
+    weights the first stage starts from: ``trainer.init_from``, the SFT cold start's result, or the
+    base model. So every stage of a run, and a run resumed in any stage, has the same reference.
+    """
+    from megatron_rl.models.reference import ReferencePolicy
+
+    cfg = ctx.cfg
+    if not cfg.algo.kl.enabled or ctx.reference is not None:
+        return
+    path = cfg.policy.reference.path
+    if path:
+        ref = ReferencePolicy.from_hf(path, cfg.policy, ctx.groups)
+        if ref.arch.vocab_size != ctx.policy.arch.vocab_size:
+            raise ValueError(f"policy.reference.path: {path} has a vocabulary of "
+                             f"{ref.arch.vocab_size} tokens, the policy {ctx.policy.arch.vocab_size}: "
+                             f"the reference must score the policy's tokens")
+        source = path
+    else:
+        src = start_point(ctx, cfg.stages[0].name)
+        if src is None:
+            ref = ReferencePolicy.from_hf(ctx.model_path, cfg.policy, ctx.groups)
+        else:
+            ref = ReferencePolicy.from_checkpoint(src / "policy", ctx.policy.arch, cfg.policy, ctx.groups)
+        source = src or ctx.model_path
+    log.info("KL reference policy: %s%s", source, " (offloaded between uses)" if ref.offload else "")
+    ctx.reference = ref
+
+
 def _load(ctx: Context, ckpt: Path, stage_name: str, resume: bool) -> TrainerState:
     try:
         state = RunDir.read_state(ckpt)

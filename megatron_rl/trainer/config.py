@@ -114,6 +114,9 @@ class TrainerConfig(ConfigBase):
     keep_checkpoints: int = 2
     # Start the first stage from this checkpoint directory (a stage's `final`) instead of model.path.
     init_from: str = ""
+    # Stop the run with a diagnosis (outcome counts, a sample response) after this many consecutive
+    # GRPO steps without an update (every group had zero reward variance); 0: never stop.
+    max_steps_without_update: int = 10
 
     def validate(self) -> None:
         super().validate()
@@ -122,3 +125,4 @@ class TrainerConfig(ConfigBase):
         self.check_range("seed", lo=0)
         self.check_range("save_every", lo=0)
         self.check_range("keep_checkpoints", lo=1)
+        self.check_range("max_steps_without_update", lo=0)

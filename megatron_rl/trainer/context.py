@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from megatron_rl.data import PromptRecord
     from megatron_rl.models.policy import MegatronPolicy
+    from megatron_rl.models.reference import ReferencePolicy
     from megatron_rl.rewards import RewardManager
     from megatron_rl.rollout import RolloutEngine
     from megatron_rl.rollout.launcher import EngineLauncher
@@ -62,6 +63,8 @@ class Context:
     # Colocated on GPUs: the engines free their KV cache (and offload weights) while the policy trains.
     sleep_while_training: bool = False
     engines_asleep: bool = False
+    # Every rank, when algo.kl.enabled: built at the first stage (checkpointing.ensure_reference).
+    reference: ReferencePolicy | None = None
 
     @property
     def is_driver(self) -> bool:
@@ -116,7 +119,7 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
     if groups.rank == 0:  # the data first: a bad file fails before any model or engine is built
         try:
             run.recover()  # what a save killed mid-way left behind
-            train_records, sft_records, eval_records = _load_data(cfg, tokenizer)
+            train_records, sft_records, eval_records = load_run_data(cfg, tokenizer)
         except InputError as exc:
             problem = exc
     if groups.world_size > 1:  # every rank stops with the driver's error, none waits for it
@@ -151,13 +154,16 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
     return ctx
 
 
-def _load_data(cfg: RunConfig, tokenizer) -> tuple[list[PromptRecord], list[PromptRecord], list[PromptRecord]]:
+def load_run_data(cfg: RunConfig, tokenizer
+                  ) -> tuple[list[PromptRecord], list[PromptRecord], list[PromptRecord]]:
     """Training, SFT cold-start (sft.data_path; the training prompts when it is empty) and held-out
-    prompts (prompts longer than rollout.max_prompt_len dropped and counted); a :class:`DataError`
-    names the file when one cannot serve the run."""
+    prompts (``eval.path``, its first ``eval.size``; never filtered by difficulty labels). Prompts
+    longer than ``rollout.max_prompt_len`` (what the engines are sized for) or a stricter
+    ``data.max_prompt_len`` are dropped and counted; a :class:`DataError` names the file when one
+    cannot serve the run."""
     from megatron_rl.data import DataConfig, DataError, load_prompts
 
-    max_len = cfg.rollout.max_prompt_len
+    max_len = min(n for n in (cfg.rollout.max_prompt_len, cfg.data.max_prompt_len) if n > 0)
     train, stats = load_prompts(cfg.data.train_path, tokenizer, cfg.data, max_prompt_len=max_len)
     log.info("train data: %s", stats)
     sft, sft_path = train, cfg.data.train_path
@@ -169,8 +175,8 @@ def _load_data(cfg: RunConfig, tokenizer) -> tuple[list[PromptRecord], list[Prom
         raise DataError(f"{sft_path}: {len(sft)} usable prompts, but the SFT cold start "
                         f"holds out sft.eval_size={cfg.sft.eval_size} of them for validation and "
                         f"trains on the rest: lower sft.eval_size or add data")
-    held_out = []
-    if cfg.eval.path:  # the held-out set is never filtered by difficulty labels
+    held_out: list[PromptRecord] = []
+    if cfg.eval.path:
         eval_cfg = DataConfig.from_dict({**cfg.data.to_dict(), "keep_labels": [], "pass_rate_min": 0.0,
                                          "pass_rate_max": 1.0})
         held_out, _ = load_prompts(cfg.eval.path, tokenizer, eval_cfg, max_prompt_len=max_len)

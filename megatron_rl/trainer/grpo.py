@@ -6,8 +6,6 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-
-import torch
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,15 +16,17 @@ from megatron_rl.models.batch import PerSequence, SequenceBatch
 from megatron_rl.tracking.console import StageProgress
 from megatron_rl.trainer import phases
 from megatron_rl.trainer.async_rollout import RolloutScheduler, open_rollouts
-from megatron_rl.trainer.checkpointing import begin_stage, finish_stage, save_checkpoint
+from megatron_rl.trainer.checkpointing import begin_stage, ensure_reference, finish_stage, save_checkpoint
 from megatron_rl.trainer.config import StageConfig
 from megatron_rl.trainer.context import Context
 from megatron_rl.trainer.evaluate import evaluate, sync_weights
+from megatron_rl.trainer.no_update import NoUpdateStop, NoUpdateWatch, no_update_reason
 from megatron_rl.trainer.state import RunDir, TrainerState
 
 if TYPE_CHECKING:
     from megatron_rl.data import PromptLoader
     from megatron_rl.models.policy import MegatronPolicy
+    from megatron_rl.models.reference import ReferencePolicy
 
 log = logging.getLogger("megatron_rl")
 
@@ -54,6 +54,7 @@ class StepTimer:
 
 def train_stage(ctx: Context, stage: StageConfig) -> None:
     cfg = ctx.cfg
+    ensure_reference(ctx)
     state, loader = begin_stage(ctx, stage)
     rollouts = open_rollouts(ctx, stage, state, loader)  # the driver's source of rollouts (rollout.async)
     try:
@@ -74,10 +75,12 @@ def train_stage(ctx: Context, stage: StageConfig) -> None:
 def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: PromptLoader | None,
               rollouts: RolloutScheduler | None, bar: StageProgress) -> None:
     cfg = ctx.cfg
+    watch = NoUpdateWatch(cfg.trainer.max_steps_without_update)
     while state.step < stage.max_steps and not ctx.stop_agreed():
         timer = StepTimer()
         metrics: dict = {}
         batch = None
+        sample = ""
         if ctx.is_driver:  # generate + score (timed "gen" / "reward"), as soon as rollout.async allows
             ctx.engines_wake()
             ro, m = rollouts.next_rollout(state.step, state.global_step, state.weight_version, timer)
@@ -89,23 +92,28 @@ def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: Pro
                 metrics.update(phases.rollout_metrics(ro, cfg.algo.correct_reward))
                 batch, m = phases.make_batch(ro, cfg.algo)
                 metrics.update(m)
+                sample = (f"{ro.completions[0].text[:300]!r} (ground truth "
+                          f"{ro.records[0].ground_truth!r})")
         batch = ctx.broadcast(batch)
         per_sample = None
         if batch is not None:
             with timer("logprob"):
-                metrics.update(add_old_logprobs(ctx.policy, batch, cfg.algo, cfg.rollout.temperature,
-                                                state.weight_version))
+                metrics.update(add_logprobs(ctx.policy, ctx.reference, batch, cfg.algo,
+                                            cfg.rollout.temperature, state.weight_version))
             with timer("update"):
-                m, per_sample = update_policy(ctx.policy, batch, cfg.algo, cfg.rollout.temperature,
-                                              alpha=ctx.entropy_ctl.alpha,
-                                              max_response_len=stage.max_response_len)
+                m, per_sample = update_policy(
+                    ctx.policy, batch, cfg.algo, cfg.rollout.temperature, alpha=ctx.entropy_ctl.alpha,
+                    max_response_len=stage.max_response_len,
+                    seed=phases.sampling_seed(cfg.trainer.seed, state.global_step))
                 metrics.update(m)
             with timer("sync"):
                 metrics.update(rollouts.before_sync() if rollouts is not None else {})
                 state.weight_version += 1
                 metrics.update(sync_weights(ctx, state.weight_version))
-        else:
-            log.warning("step %d: every group had zero reward variance; no update", state.step)
+                if rollouts is not None:
+                    rollouts.after_sync()
+        note = "" if batch is not None else no_update_reason(metrics)
+        watch.record(batch is not None, metrics, sample)
         if ctx.is_driver and ctx.observer is not None and ro is not None:
             with timer("dump"):
                 metrics.update(ctx.observer.observe(
@@ -124,7 +132,10 @@ def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: Pro
             metrics.update(evaluate(ctx, stage.max_response_len))
         if ctx.is_driver:
             ctx.tracker.log(metrics, step=state.global_step, stage=stage.name)
-            bar.advance(state.step, metrics)
+            bar.advance(state.step, metrics, note)
+        if watch.exhausted:  # every rank saw the same batches (None), so every rank stops here
+            raise NoUpdateStop(watch.diagnosis() if ctx.is_driver else
+                               f"{watch.streak} consecutive steps without an update (see rank 0)")
         stop = plateaued(state, stage, ctx.broadcast(metrics.get("eval/accuracy")))
         if cfg.trainer.save_every and state.step % cfg.trainer.save_every == 0:
             save_checkpoint(ctx, stage, state, loader, rollouts)
@@ -133,25 +144,42 @@ def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: Pro
             break
 
 
-def add_old_logprobs(policy: MegatronPolicy, batch: SequenceBatch, a: AlgoConfig, temperature: float,
-                     version: int) -> dict:
-    """Old-policy log-probs recomputed by the trainer at the sampling temperature (step 4).
-
-    Strictly on-policy (one pass, one mini-batch, no mismatch correction) with every token sampled
-    by the current weights (``version``), the old policy is the current one, so the recompute is
-    skipped and the loss uses the training forward's log-probs. A rollout from older weights
-    (rollout.async) is always recomputed; TIS / IcePop then weigh it with the engine's log-probs.
-    """
+def needs_old_logprobs(a: AlgoConfig, batch: SequenceBatch, version: int) -> bool:
+    """Whether the old policy's log-probs must be recomputed before the update. Strictly
+    on-policy (one pass, one mini-batch, no mismatch correction, no KL in the reward) with every
+    token sampled by the current weights (``version``), the old policy is the current one, and the
+    loss uses the training forward's own log-probs instead. A rollout from older weights
+    (rollout.async) is always recomputed; TIS / IcePop then weigh it with the engine's log-probs."""
     versions = batch.token_fields.get("weight_version")
     behind = versions is not None and any(bool((v != version).any()) for v in versions)
-    if a.n_sgd == 1 and a.mini_batches == 1 and a.mismatch.mode == "none" and not behind:
-        return {}
-    logp, _ = policy.compute_logprobs(batch, temperature, with_entropy=False)
-    batch.token_fields["old_logp"] = logp
-    gap = [(lp - rl).abs().mean().item() for lp, rl in zip(logp, batch.token_fields["rollout_logp"])]
-    metrics = {"rollout/train_infer_logp_gap": sum(gap) / max(1, len(gap))}
-    if behind:
-        metrics.update(logp_gap_by_staleness(logp, batch.token_fields["rollout_logp"], versions, version))
+    return (a.n_sgd > 1 or a.mini_batches > 1 or a.mismatch.mode != "none"
+            or (a.kl.enabled and a.kl.as_reward) or behind)
+
+
+def add_logprobs(policy: MegatronPolicy, reference: ReferencePolicy | None, batch: SequenceBatch,
+                 a: AlgoConfig, temperature: float, version: int) -> dict:
+    """The log-prob phase (step 4): the old policy's and the reference's log-probs of every response
+    token, recomputed by the trainer at the sampling temperature (``old_logp`` when
+    :func:`needs_old_logprobs`, ``ref_logp`` when ``algo.kl.enabled``), then, with
+    ``algo.kl.as_reward``, the advantages recomputed from the KL-shaped rewards. ``version`` is the
+    trainer's weight version (tokens sampled by older ones are stale). Collective."""
+    metrics: dict = {}
+    if needs_old_logprobs(a, batch, version):
+        logp, _ = policy.compute_logprobs(batch, temperature, with_entropy=False)
+        batch.token_fields["old_logp"] = logp
+        gap = [(lp - rl).abs().mean().item() for lp, rl in zip(logp, batch.token_fields["rollout_logp"])]
+        metrics["rollout/train_infer_logp_gap"] = sum(gap) / max(1, len(gap))
+        versions = batch.token_fields.get("weight_version")
+        if versions is not None and any(bool((v != version).any()) for v in versions):
+            metrics.update(logp_gap_by_staleness(logp, batch.token_fields["rollout_logp"], versions,
+                                                 version))
+    if a.kl.enabled:
+        if reference is None:
+            raise RuntimeError("algo.kl.enabled needs the reference policy "
+                               "(checkpointing.ensure_reference builds it)")
+        batch.token_fields["ref_logp"], _ = reference.compute_logprobs(batch, temperature)
+        if a.kl.as_reward:
+            metrics.update(phases.kl_shaped_advantages(batch, a))
     return metrics
 
 
@@ -163,22 +191,31 @@ def logp_gap_by_staleness(logp: list, rollout_logp: list, versions: list, versio
 
 
 def update_policy(policy: MegatronPolicy, batch: SequenceBatch, a: AlgoConfig, temperature: float, *,
-                  alpha: float, max_response_len: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    """``n_sgd`` passes over the batch, ``mini_batches`` optimizer steps per pass; metrics averaged
-    over the steps (``_min`` / ``_max`` keys: the extremes). Also returns per-sample values of the
-    first pass's forwards (:data:`phases.SAMPLE_STATS`, ``[B]`` each, batch order) for the dumps."""
+                  alpha: float, max_response_len: int, seed: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``n_sgd`` passes over the batch, ``mini_batches`` optimizer steps per pass, each pass in a
+    fresh shuffled order (``phases.optimizer_steps`` with the step's ``seed``); metrics averaged over
+    the steps (``_min`` / ``_max`` keys: the extremes). ``actor/first_step_ratio_{min,max}`` are the
+    first optimizer step's: 1 (to rounding) whenever the old log-probs were recomputed, since
+    nothing has changed the policy yet. Also returns per-sample values of the first pass's forwards
+    (:data:`phases.SAMPLE_STATS`, ``[B]`` each, batch order) for the dumps."""
     with_entropy = True  # entropy is always measured (metrics, entropy control); its grad only if used
-    steps, parts = [], []
-    for sgd in range(a.n_sgd):
-        for mb in phases.split(batch, a.mini_batches):
-            loss_fn = phases.make_loss_fn(mb, a, alpha=alpha, max_response_len=max_response_len)
-            ps = PerSequence(phases.sample_stats, phases.SAMPLE_STATS, len(mb)) if sgd == 0 else None
-            steps.append(policy.train_step(mb, loss_fn, temperature=temperature, with_entropy=with_entropy,
-                                           per_sequence=ps))
-            if ps is not None:
-                parts.append(ps.values)
-    per_sample = {k: torch.cat([p[k] for p in parts]) for k in phases.SAMPLE_STATS}
-    return reduce_metrics(steps, mean=True), per_sample
+    schedule = phases.optimizer_steps(batch, a, seed)
+    first_pass = len(schedule) // a.n_sgd
+    per_sample = {k: torch.full((len(batch),), float("nan")) for k in phases.SAMPLE_STATS}
+    steps = []
+    for k, (index, mb) in enumerate(schedule):
+        loss_fn = phases.make_loss_fn(mb, a, alpha=alpha, max_response_len=max_response_len)
+        ps = PerSequence(phases.sample_stats, phases.SAMPLE_STATS, len(mb)) if k < first_pass else None
+        steps.append(policy.train_step(mb, loss_fn, temperature=temperature, with_entropy=with_entropy,
+                                       per_sequence=ps))
+        if ps is not None:
+            for name in phases.SAMPLE_STATS:
+                per_sample[name][index] = ps.values[name]
+    metrics = reduce_metrics(steps, mean=True)
+    if "actor/ratio_min" in steps[0]:
+        metrics["actor/first_step_ratio_min"] = steps[0]["actor/ratio_min"]
+        metrics["actor/first_step_ratio_max"] = steps[0]["actor/ratio_max"]
+    return metrics, per_sample
 
 
 def plateaued(state: TrainerState, stage: StageConfig, accuracy: float | None) -> bool:

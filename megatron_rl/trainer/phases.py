@@ -1,19 +1,22 @@
 """The phases of one GRPO step, each a function the loop in ``grpo.py`` calls in order.
 
-generate -> score -> make_batch (filter groups, advantages) -> old log-probs -> update -> sync.
+generate -> score -> make_batch (filter groups, advantages) -> old / reference log-probs (and the
+KL-shaped advantages with ``algo.kl.as_reward``) -> update -> sync.
 The math lives in ``megatron_rl.algo``; this module only moves data between the components. Each
 phase takes the components and the config section it uses (``rollout``, ``algo``), never the run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from megatron_rl.algo import AlgoConfig, compute_advantages, filter_groups, policy_objective
+from megatron_rl.algo import (AlgoConfig, compute_advantages, filter_groups, kl_reward_penalty,
+                              policy_objective, sgd_schedule)
 from megatron_rl.data import PromptRecord
-from megatron_rl.models.batch import MicroBatch, SequenceBatch
+from megatron_rl.models.batch import MicroBatch, SequenceBatch, pad_token_fields
 from megatron_rl.rewards import RewardItem, RewardManager
 from megatron_rl.rollout import Completion, RolloutConfig, RolloutEngine, SamplingSpec
 
@@ -102,7 +105,9 @@ def make_batch(ro: Rollout, algo: AlgoConfig) -> tuple[SequenceBatch | None, dic
         token_fields={"rollout_logp": [torch.tensor(c.logprobs, dtype=torch.float32) for c in comps],
                       # the weight version that sampled each token (async GRPO: older than the trainer's)
                       "weight_version": [torch.tensor(c.token_versions(), dtype=torch.long) for c in comps]},
-        seq_fields={"advantages": adv[idx].float()},
+        # rewards, groups and truncation travel along: algo.kl.as_reward recomputes the advantages
+        seq_fields={"advantages": adv[idx].float(), "rewards": ro.rewards[idx].float(),
+                    "group_ids": ro.group_ids[idx], "truncated": ro.truncated[idx]},
     )
     metrics["batch/tokens"] = float(sum(len(c.token_ids) for c in comps))
     return batch, metrics
@@ -123,17 +128,30 @@ def sft_batch(records: list[PromptRecord], tokenizer) -> SequenceBatch:
                          seq_fields={"advantages": torch.ones(len(seqs))})
 
 
-def split(batch: SequenceBatch, n: int) -> list[SequenceBatch]:
-    """``n`` mini-batches of (nearly) equal sequence counts, order kept."""
-    B = len(batch.sequences)
-    bounds = [round(i * B / n) for i in range(n + 1)]
-    out = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        out.append(SequenceBatch(
-            sequences=batch.sequences[lo:hi], prompt_lens=batch.prompt_lens[lo:hi],
-            token_fields={k: v[lo:hi] for k, v in batch.token_fields.items()},
-            seq_fields={k: v[lo:hi] for k, v in batch.seq_fields.items()}))
-    return [b for b in out if b.sequences]
+def kl_shaped_advantages(batch: SequenceBatch, algo: AlgoConfig) -> dict:
+    """``algo.kl.as_reward``: each response's reward minus ``coef`` x its summed token KL(old || ref)
+    (``algo.kl_reward_penalty``), and the advantages recomputed from those rewards within the kept
+    groups; needs the batch's ``old_logp`` and ``ref_logp``."""
+    width = max(batch.response_lens)
+    padded = pad_token_fields(batch, list(range(len(batch))), width)
+    mask = torch.arange(width)[None, :] < torch.tensor(batch.response_lens)[:, None]
+    penalty, metrics = kl_reward_penalty(padded["old_logp"], padded["ref_logp"], mask, algo)
+    f = batch.seq_fields
+    adv, m_adv = compute_advantages(f["rewards"] - penalty.to(f["rewards"].dtype), f["group_ids"],
+                                    f["truncated"], algo)
+    f["advantages"] = adv.float()
+    return {**metrics, **m_adv}
+
+
+def optimizer_steps(batch: SequenceBatch, algo: AlgoConfig, seed: int
+                    ) -> list[tuple[torch.Tensor, SequenceBatch]]:
+    """``(indices into batch, mini-batch)`` of every optimizer step: ``algo.n_sgd`` passes of
+    ``algo.mini_batches`` steps, each pass a fresh seeded shuffle (``algo.sgd_schedule``); strictly
+    on-policy, the whole batch."""
+    steps = min(algo.mini_batches, len(batch))  # zero-variance filtering may leave fewer sequences
+    if steps != algo.mini_batches:
+        algo = dataclasses.replace(algo, mini_batches=steps)
+    return [(index, batch.select(index)) for index in sgd_schedule(len(batch), algo, seed=seed)]
 
 
 def make_loss_fn(batch: SequenceBatch, algo: AlgoConfig, *, alpha: float, max_response_len: int | None):
@@ -147,8 +165,8 @@ def make_loss_fn(batch: SequenceBatch, algo: AlgoConfig, *, alpha: float, max_re
         old = mb.logp.detach() if old is None else old
         return policy_objective(
             mb.logp, old, mb.fields["advantages"], mb.mask, algo, entropy=mb.entropy, alpha=alpha,
-            rollout_logp=mb.fields.get("rollout_logp"), token_denominator=n_tokens,
-            seq_denominator=n_seqs, max_response_len=max_response_len)
+            rollout_logp=mb.fields.get("rollout_logp"), ref_logp=mb.fields.get("ref_logp"),
+            token_denominator=n_tokens, seq_denominator=n_seqs, max_response_len=max_response_len)
 
     return loss_fn
 

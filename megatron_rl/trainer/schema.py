@@ -85,6 +85,12 @@ def validate_cross(cfg: RunConfig) -> None:
     if cfg.rollout.async_.dynamic_sampling and not cfg.algo.filter_zero_variance_groups:
         raise ConfigError("rollout.async.dynamic_sampling", "keeps drawing until the step has groups with reward "
                                                             "variance: it needs algo.filter_zero_variance_groups=true")
+    ref = cfg.policy.reference
+    if not cfg.algo.kl.enabled:
+        for name, value in (("path", ref.path), ("offload", ref.offload)):
+            if value:
+                raise ConfigError(f"policy.reference.{name}", f"is set ({value!r}) but algo.kl.enabled "
+                                                             f"is false: nothing uses a reference policy")
     n_mb = cfg.algo.mini_batches
     if cfg.rollout.rollout_batch_size % n_mb:
         raise ConfigError("algo.mini_batches", f"must divide rollout.rollout_batch_size="

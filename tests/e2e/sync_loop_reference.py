@@ -49,7 +49,9 @@ def run_steps(ctx, stage, state, loader, rollouts, bar) -> None:
             with timer("update"):
                 m, per_sample = grpo.update_policy(ctx.policy, batch, cfg.algo, cfg.rollout.temperature,
                                                    alpha=ctx.entropy_ctl.alpha,
-                                                   max_response_len=stage.max_response_len)
+                                                   max_response_len=stage.max_response_len,
+                                                   seed=phases.sampling_seed(cfg.trainer.seed,
+                                                                             state.global_step))
                 metrics.update(m)
             with timer("sync"):
                 state.weight_version += 1

@@ -4,7 +4,10 @@ weight sync after every update, checkpoints, evaluation, summary and report.
 
 Checks RL invariants from the logged metrics rather than hard-coded numbers: strictly on-policy the
 importance ratio is exactly 1 and nothing is clipped; entropies lie in [0, log V]; response lengths
-respect each stage's limit; the time split adds up; the weights really changed.
+respect each stage's limit; the time split adds up; the weights really changed. Then the off-policy
+path from the finished run (T = 0.7, two SGD passes, TIS, a KL loss to the starting weights): the
+first optimizer step's ratio is 1 and the trainer's recomputed log-probs match the engine's. And a
+run that can learn nothing (a random model: every answer unparsable) stops with a diagnosis.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,8 +36,10 @@ def _train(run_dir: Path, *overrides: str, timeout: int = 600) -> subprocess.Com
 MINI = [
     # 1-digit sums: after a short cold start the tiny model is right sometimes, so groups have variance.
     "synthetic.min_digits=1", "synthetic.max_digits=1", "synthetic.train_size=60", "synthetic.eval_size=5",
-    # head_dim 32: the smallest vLLM-CPU attention supports (16 fails in the engine).
+    # head_dim 32: the smallest vLLM-CPU attention supports (16 fails in the engine). Tied
+    # embeddings: every sync's probe (sync.verify) checks that the engine's output layer follows.
     "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=2",
+    "model.tiny.tie_word_embeddings=true",
     "model.tiny.intermediate_size=128", "model.tiny.num_layers=2",
     "sft.max_steps=300", "sft.eval_every=25", "sft.eval_size=8", "sft.stop_accuracy=0.3", "sft.batch_size=32",
     "sft.lr=0.003", "sft.slow_down_at=1.0",
@@ -88,6 +94,7 @@ def test_rl_invariants_from_logged_metrics(finished_run):
         assert 0.0 <= r["actor/entropy"] <= math.log(vocab) + 1e-6
         assert r["grad_norm"] > 0 and math.isfinite(r["grad_norm"])
         assert r["sync/tensors"] > 0
+        assert r["sync/probe_gap_mean"] < 1e-4  # the engine computes with what was sent
 
 
 def test_grpo_changed_the_weights(finished_run):
@@ -155,3 +162,50 @@ def test_console_shows_progress_and_libraries_go_to_the_log(finished_run):
     assert "[stage1_12 3/3]" in console  # one summary line per step
     assert "INFO vllm" in log  # vLLM's chatter is in the file ...
     assert "prefix cache" not in console.lower() and "INFO vllm" not in console  # ... and not on screen
+
+
+# The miniature without its stages and cold start, for runs that bring their own.
+BASE = [o for o in MINI if not o.startswith(("stages.", "sft.", "trainer.save_every"))]
+OFF_POLICY = [
+    "sft.enabled=false", "stages=[{name: offp, max_response_len: 12, max_steps: 2}]",
+    "rollout.temperature=0.7", "algo.n_sgd=2", "algo.mismatch.mode=tis_token",
+    "algo.filter_zero_variance_groups=false",  # every step updates, whatever the rewards
+    "algo.kl.enabled=true", "algo.kl.coef=0.01", "tracking.wandb_mode=disabled",
+]
+
+
+def test_off_policy_path_at_t07_from_the_finished_run(finished_run, tmp_path):
+    """Old log-probs recomputed at the sampling temperature: before the first optimizer step the
+    policy IS the old policy (ratio 1 to fp32 noise) and equals the engine (small train-inference
+    gap); the second pass is off-policy (ratio moves). The KL reference is the run's start."""
+    run_dir = tmp_path / "offp"
+    proc = _train(run_dir, *BASE, *OFF_POLICY,
+                  f"trainer.init_from={finished_run / 'stage3_24' / 'final'}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = [r for r in _rows(run_dir) if r["stage"] == "offp"]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["actor/first_step_ratio_min"] == pytest.approx(1.0, abs=1e-5)
+        assert r["actor/first_step_ratio_max"] == pytest.approx(1.0, abs=1e-5)
+        assert r["rollout/train_infer_logp_gap"] < 1e-4
+        assert r["actor/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert r["actor/ratio_max"] - r["actor/ratio_min"] > 1e-5  # the second pass moved
+        assert r["actor/kl"] > 0.0  # the reference term acts once the policy has moved
+    assert "KL reference policy" in " ".join(proc.stdout.split())
+
+
+def test_a_run_that_trains_nothing_stops_with_a_diagnosis(tmp_path):
+    """A random model answers nothing parsable: every group is all-wrong, no step updates."""
+    proc = _train(tmp_path / "stuck", *BASE, "sft.enabled=false",
+                  "stages=[{name: s, max_response_len: 8, max_steps: 6}]",
+                  "trainer.max_steps_without_update=2", "tracking.wandb_mode=disabled")
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = " ".join(proc.stdout.split())  # the console wraps long lines
+    assert "no update: all 8 groups have zero reward variance (0 all-correct, 8 all-wrong" in out
+    err = " ".join(proc.stderr.split())
+    assert "2 consecutive steps without an update (trainer.max_steps_without_update=2)" in err
+    counts = re.search(r"Outcomes over those steps: unparsable (\d+), wrong (\d+), correct 0, "
+                       r"timeouts 0, errors 0", err)
+    assert counts and int(counts[1]) + int(counts[2]) == 2 * 8 * 8, err[-2000:]
+    assert "A sample response: '" in err
+    assert len(_rows(tmp_path / "stuck")) == 2

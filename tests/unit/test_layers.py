@@ -124,5 +124,5 @@ def test_the_checker_sees_what_it_must():
     assert "megatron_rl.ops.stats" in g["megatron_rl.ops.torch_backend"]  # `from .stats import ...`
     assert "megatron_rl.sync.base" in g["megatron_rl.trainer.context"]  # lazy, inside a function
     assert "megatron_rl.trainer.schema" in g["megatron_rl.trainer.context"]  # under TYPE_CHECKING
-    assert "megatron_rl.models.gpt" in g["megatron_rl.models.policy"]  # `from megatron_rl.models import gpt`
+    assert "megatron_rl.models.gpt" in g["megatron_rl.models.forward"]  # `from megatron_rl.models import gpt`
     assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]

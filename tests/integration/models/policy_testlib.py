@@ -8,6 +8,9 @@ from pathlib import Path
 import torch
 
 VOCAB = 61  # deliberately not a multiple of 2: exercises vocabulary padding at TP=2
+# A batch of six sequences (total lengths, prompt lengths) with uneven responses.
+LENGTHS = [12, 7, 20, 5, 16, 9]
+PROMPTS = [4, 3, 9, 2, 1, 8]
 
 
 def write_hf_model(out_dir: str | Path, arch: str, *, tie: bool = False, vocab: int = VOCAB,

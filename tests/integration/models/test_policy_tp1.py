@@ -9,24 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from policy_testlib import hf_reference, make_batch, make_loss_fn, max_abs_diff, write_hf_model
+from policy_testlib import (LENGTHS, PROMPTS, hf_reference, make_batch, make_loss_fn, max_abs_diff,
+                            write_hf_model)
 
 pytestmark = pytest.mark.slow
 
-LENGTHS = [12, 7, 20, 5, 16, 9]
-PROMPTS = [4, 3, 9, 2, 1, 8]
 TEMPERATURE = 0.7
-
-
-@pytest.fixture(scope="module")
-def groups():
-    from megatron_rl.compat import apply_cpu_shim
-    from megatron_rl.models import ParallelConfig, destroy_distributed, init_distributed
-
-    apply_cpu_shim()  # the entry point's one explicit call (no-op with CUDA)
-    g = init_distributed(ParallelConfig())
-    yield g
-    destroy_distributed()
 
 
 @pytest.fixture(scope="module")

@@ -371,6 +371,107 @@ def test_fleet_readmits_the_restarted_server_after_a_sync(fleet_env):
         fleet.close()
 
 
+# ------------------------------------------------------------ async GRPO on the fleet (rollout.async)
+def _server_counter(fleet, name: str, label: str = "") -> float:
+    """A Prometheus counter of every server (``/metrics``), summed."""
+    total = 0.0
+    for engine in fleet.engines:
+        for line in engine._call("GET", "/metrics").text.splitlines():
+            if line.startswith(name) and label in line and not line.startswith(name + "_created"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_async_fleet_partial_rollouts_span_a_weight_update_and_match_each_version(fleet_env):
+    """Partial rollouts on the servers: what is generating is frozen (/pause?mode=keep), the new
+    weights load through the RL routes, /resume continues it. A response generated across the update
+    carries tokens of both versions (vLLM's spans), and every token's log-prob equals a float64
+    teacher-forced pass (transformers) with the weights of *its own* version over the whole sequence
+    (the frozen requests' KV is recomputed with the new weights)."""
+    from megatron_rl.rollout.fleet_stream import FleetStream
+
+    hf = fleet_env["hf"]
+    fleet = _fleet(fleet_env)
+    sync = _sync(fleet_env, fleet)
+    stream = FleetStream(fleet)
+    v0 = fleet_env["version"]
+    states = {v0: {k: v.clone() for k, v in hf.state_dict().items()}}
+    prompts, got = PROMPTS[:12], {}
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=MAX_MODEL_LEN - 8, seed=5)
+    try:
+        base = _server_counter(fleet, "vllm:generation_tokens_total")
+        stream.submit(prompts, spec, list(range(12)), got.update)
+        deadline = time.monotonic() + 60
+        while _server_counter(fleet, "vllm:generation_tokens_total") == base:  # every engine has begun
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        stream.before_weight_update()
+        assert all(e.is_paused() for e in fleet.engines)
+        _retrain(hf, seed=7)
+        states[v0 + 1] = {k: v.clone() for k, v in hf.state_dict().items()}
+        m = sync.sync(_named(hf), version=v0 + 1)
+        fleet_env["version"] = v0 + 1
+        assert m.complete and m.engines == 3
+        stream.after_weight_update()
+        assert not any(e.is_paused() for e in fleet.engines)
+        while len(got) < 12:
+            assert time.monotonic() < deadline, f"{len(got)} of 12 groups came back"
+            time.sleep(0.01)
+        assert stream.in_flight() == 0 and stream.busy_seconds() > 0
+    finally:
+        sync.close()
+        fleet.close()
+    completions = [(prompts[i], c) for i in range(12) for c in got[i]]
+    partial = [c for _, c in completions if c.partial]
+    assert partial, "no response was generated across the weight update"
+    for c in partial:
+        v = c.token_versions()
+        assert c.weight_version == v0 and c.newest_version == v0 + 1 and v[0] == v0 and v[-1] == v0 + 1
+        assert v == sorted(v)
+    try:
+        for prompt, c in completions:
+            versions = torch.tensor(c.token_versions())
+            got_lp = torch.tensor(c.logprobs, dtype=torch.float64)
+            for version in versions.unique().tolist():
+                hf.load_state_dict(states[version])
+                ref = hf_logprobs(hf, prompt, c.token_ids)
+                sel = versions == version
+                assert torch.allclose(got_lp[sel], ref[sel], atol=2e-4, rtol=0), (version, (got_lp - ref)[sel])
+    finally:
+        hf.load_state_dict(states[v0 + 1])
+
+
+def test_async_fleet_aborts_leftovers_on_the_servers(fleet_env):
+    """Leftovers (oversampled groups no step needs in time) are stopped on the servers: submitted
+    while the servers are paused, four of six prompts are aborted (/abort_requests); after /resume
+    the other two finish, the aborted ones never come back, and the servers generated exactly the
+    tokens of the two (an abort that did not reach a server would add its tokens)."""
+    from megatron_rl.rollout.fleet_stream import FleetStream
+
+    fleet = _fleet(fleet_env)
+    stream = FleetStream(fleet)
+    got, spec = {}, SamplingSpec(n=2, temperature=1.0, max_tokens=16, seed=9)
+    try:
+        fleet.pause("keep")  # frozen: nothing generates before the abort reaches it
+        tokens0 = _server_counter(fleet, "vllm:generation_tokens_total")
+        stream.submit(PROMPTS[:6], spec, list(range(6)), got.update)
+        assert stream.in_flight() == 6
+        time.sleep(0.5)  # the requests reach the servers
+        stream.abort([0, 1, 2, 3])
+        assert stream.in_flight() == 2 and set(fleet._requests) == set(stream._pending.values())
+        fleet.resume()
+        deadline = time.monotonic() + 60
+        while len(got) < 2:
+            assert time.monotonic() < deadline, sorted(got)
+            time.sleep(0.05)
+        time.sleep(1.0)  # an aborted request that still ran would be generating now
+        assert sorted(got) == [4, 5] and stream.in_flight() == 0 and not fleet._requests
+        delivered = sum(len(c.token_ids) for k in (4, 5) for c in got[k])
+        assert _server_counter(fleet, "vllm:generation_tokens_total") - tokens0 == delivered
+    finally:
+        fleet.close()
+
+
 # ------------------------------------------------------------------ a TP=2 trainer on the fleet
 MINI = [
     "synthetic.min_digits=1", "synthetic.max_digits=1", "synthetic.train_size=60", "synthetic.eval_size=5",
@@ -443,6 +544,46 @@ def test_fleet_tp2_torchrun_trainer_on_three_servers_matches_single_rank(fleet_e
     try:
         version = fleet.engines[0].weight_version
         assert version > 0 and all(e.weight_version == version for e in fleet.engines)
+        for engine in fleet.engines:
+            _assert_matches_hf(engine, final, version=version)
+    finally:
+        fleet.close()
+
+
+def test_async_fleet_trainer_one_step_off_with_partial_rollouts_and_oversampling(fleet_env, tmp_path):
+    """`megatron-rl train` on the three servers with rollout.async (one-step-off, partial rollouts,
+    50% oversampling): every step trains rollout_batch_size groups, none more than one version old
+    (from the logged per-sample versions); no server is left paused, and each ends with the run's
+    final weights."""
+    import json
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "async"
+    urls = [r.url for r in EngineRegistry(fleet_env["registry"]).records().values()]
+    # (a short SFT first: its weights are synced to the servers, which served other weights before)
+    _train([sys.executable, "-m", "megatron_rl.cli"], run, fleet_env["model"], "sft.max_steps=2",
+           "stages=[{name: s1, max_response_len: 12, max_steps: 4}]", "rollout.engine=vllm_server",
+           "rollout.placement=external", f"rollout.server_urls=[{','.join(urls)}]", "rollout.max_num_seqs=16",
+           "sync.transport=gloo", "sync.bucket_bytes=65536", "rollout.async.max_staleness=1",
+           "rollout.async.partial_rollout=true", "rollout.async.oversample=0.5",
+           "algo.filter_zero_variance_groups=false")
+    steps = [r for r in _rows(run) if r["stage"] == "s1"]
+    assert len(steps) == 4
+    assert all(r["async/groups_trained"] == 8 and r["async/staleness_max"] <= 1 for r in steps)
+    assert steps[0]["async/prompts_drawn"] == 2 * 12  # its wave and the one ahead, 50% oversampled
+    samples = [json.loads(x) for x in (run / "async_samples.jsonl").read_text().splitlines()]
+    assert [s["stage_step"] for s in samples] == [0, 1, 2, 3]
+    for s in samples:
+        assert len(s["versions"]) == 8 * 4
+        assert all(0 <= s["trainer_version"] - oldest <= 1 and newest <= s["trainer_version"]
+                   for oldest, newest in s["versions"]), s
+    fleet = connect_fleet(_cfg(placement="external", server_urls=urls))
+    try:
+        assert all(not e.is_paused() for e in fleet.engines)
+        final = AutoModelForCausalLM.from_pretrained(str(run / "s1" / "final" / "hf"), dtype=torch.float32).eval()
+        version = fleet.engines[0].weight_version
         for engine in fleet.engines:
             _assert_matches_hf(engine, final, version=version)
     finally:

@@ -11,12 +11,12 @@ from megatron_rl.algo import AlgoConfig, kl_estimate, kl_reward_penalty
 def test_hand_values():
     logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
     l2 = math.log(2)
-    expected = {"k1": l2, "k2": l2 * l2 / 2, "k3": 0.5 - 1 + l2, "low_var_kl": 0.5 - 1 + l2}
+    expected = {"k1": l2, "k2": l2 * l2 / 2, "k3_unclamped": 0.5 - 1 + l2, "low_var_kl": 0.5 - 1 + l2}
     for name, value in expected.items():
         assert kl_estimate(logp, ref, name).item() == pytest.approx(value, rel=1e-6), name
 
 
-@pytest.mark.parametrize("name", ["k1", "k3"])
+@pytest.mark.parametrize("name", ["k1", "k3_unclamped"])
 def test_unbiased_under_the_policy(name):
     g = torch.Generator().manual_seed(1)
     logp = torch.log_softmax(torch.randn(12, generator=g, dtype=torch.float64), -1)
@@ -46,3 +46,8 @@ def test_reward_penalty_sums_over_valid_tokens():
 def test_unknown_estimator_named():
     with pytest.raises(ValueError, match="^algo.kl.estimator:.*valid estimators"):
         kl_estimate(torch.zeros(1), torch.zeros(1), "k9")
+
+
+def test_bare_k3_is_refused_naming_both_meanings():
+    with pytest.raises(ValueError, match="algo.kl.estimator.*ambiguous.*low_var_kl.*k3_unclamped"):
+        AlgoConfig.from_dict({"kl": {"estimator": "k3"}}, prefix="algo").validate()

@@ -105,7 +105,8 @@ ZERO_OK = {
     "algo.mismatch.icepop_low",
     "reward.worker_memory_mb",  # 0: no limit
     "data.max_prompt_len", "data.max_rows", "data.pass_rate_min", "data.pass_rate_max",
-    "trainer.save_every", "sft.slow_down_at", "sft.stop_accuracy", "sft.max_seconds",
+    "trainer.save_every", "trainer.max_steps_without_update",  # 0: never stop
+    "sft.slow_down_at", "sft.stop_accuracy", "sft.max_seconds",
     "eval.size", "eval.every", "stages.0.plateau.patience", "stages.0.plateau.min_delta",
     "stages.0.lr", "algo.correct_reward", "algo.wrong_reward",
     # tools/difficulty

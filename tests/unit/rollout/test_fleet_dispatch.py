@@ -5,6 +5,7 @@ result independent of which engine served a prompt, requeue on failure, membersh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
 import time
@@ -136,3 +137,80 @@ def test_fleet_submit_threadsafe_dispatches_continuously_from_other_threads():
     ref = _reference()
     assert all([c.token_ids for c in results[k]] == ref[k] for k in range(8))
     assert max(e.peak for e in engines) <= 2
+
+
+class Named(Seeded):
+    """A server's request names: ``submit(..., request_id)``, ``abort(ids)``, pause / resume."""
+
+    def __init__(self, name, delay):
+        super().__init__(name, delay)
+        self.sent, self.aborted, self.control = [], [], []
+
+    async def submit(self, prompt_ids, sampling, request_id=None):
+        self.sent.append(request_id)
+        return await super().submit(prompt_ids, sampling)
+
+    def abort(self, request_ids):
+        self.aborted += request_ids
+
+    def pause(self, mode="keep"):
+        self.control.append(("pause", mode))
+
+    def resume(self):
+        self.control.append(("resume",))
+
+
+def test_async_fleet_stream_delivers_groups_aborts_leftovers_and_freezes_across_updates():
+    from megatron_rl.algo.config import AlgoConfig
+    from megatron_rl.data.dataset import PromptRecord
+    from megatron_rl.data.loader import PromptLoader
+    from megatron_rl.rewards import RewardManager
+    from megatron_rl.rewards.config import RewardConfig
+    from megatron_rl.rollout.config import AsyncConfig
+    from megatron_rl.rollout.fleet_stream import FleetStream
+    from megatron_rl.trainer.async_rollout import RolloutScheduler
+
+    engines = [Named("e0", 0.3), Named("e1", 0.3)]
+    fleet = EngineFleet(engines, _cfg(room=8))
+    stream = FleetStream(fleet)
+    got = {}
+    try:
+        stream.submit(PROMPTS[:6], SPEC, list(range(6)), got.update)
+        deadline = time.monotonic() + 5
+        while sum(len(e.sent) for e in engines) < 6:  # all sent (named), none finished yet
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert stream.in_flight() == 6
+        stream.abort([0, 1, 2, 3])
+        aborted = sorted(r for e in engines for r in e.aborted)
+        sent = {r: e for e in engines for r in e.sent}
+        assert len(aborted) == 4 and len(set(sent)) == 6  # the engines serving them were told
+        assert all(r in sent[r].aborted for r in aborted)
+        while len(got) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.4)  # an aborted request that still came back is not delivered
+        assert sorted(got) == [4, 5] and stream.in_flight() == 0 and not fleet._requests
+        ref = _reference()
+        assert [[c.token_ids for c in got[k]] for k in (4, 5)] == [ref[4], ref[5]]  # prompt k: seed + k
+        assert 0.2 < stream.busy_seconds() < 5
+        # the scheduler with partial rollouts: paused (keep) before the weight update, resumed after
+        records = [PromptRecord(prompt_ids=p, prompt_text="", ground_truth="1", style="exact_boxed",
+                                data_source="t", uid=str(i)) for i, p in enumerate(PROMPTS)]
+        rcfg = RolloutConfig(engine="vllm_server", rollout_batch_size=2, group_size=2, timeout_s=5.0,
+                             async_=AsyncConfig(max_staleness=1, partial_rollout=True))
+        sched = RolloutScheduler(fleet, PromptLoader(records, 2, seed=1), RewardManager(RewardConfig()), rcfg,
+                                 AlgoConfig(filter_zero_variance_groups=False), run_seed=3, max_response_len=4)
+        assert isinstance(sched.stream, FleetStream)
+        for e in engines:
+            e.control.clear()
+        ro, _ = sched.next_rollout(0, 0, 0, lambda name: contextlib.nullcontext())
+        assert len(ro.records) == 2 and sum(len(e.sent) for e in engines) == 6 + 4  # and the wave ahead
+        sched.before_sync()
+        assert all(e.control == [("pause", "keep")] for e in engines)
+        sched.after_sync()
+        assert all(e.control == [("pause", "keep"), ("resume",)] for e in engines)
+        sched.close()
+        assert sched.stream.in_flight() == 0 and not fleet._requests
+    finally:
+        fleet.close()

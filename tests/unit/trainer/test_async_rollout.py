@@ -147,7 +147,7 @@ def _scheduler(cfg, engine, records=None, step=0):
 
 
 def _run(sched, engine, steps, start=0, version=0):
-    """The loop's calls in its order: rollout, (train), before_sync, sync."""
+    """The loop's calls in its order: rollout, (train), before_sync, sync, after_sync."""
     out = []
     for step in range(start, start + steps):
         ro, m = sched.next_rollout(step, 100 + step, version, timer)
@@ -155,6 +155,7 @@ def _run(sched, engine, steps, start=0, version=0):
         version += 1
         sched.before_sync()
         engine.update_weights([], version)
+        sched.after_sync()
     return out
 
 
@@ -347,8 +348,8 @@ def test_async_config_refuses_what_it_cannot_do():
 
     with pytest.raises(ConfigError, match="partial_rollout"):
         AsyncConfig(partial_rollout=True).validate()
-    with pytest.raises(ConfigError, match="in-process engine"):
-        RolloutConfig(engine="vllm_server", placement="external", server_urls=["http://h:8000"],
-                      async_=AsyncConfig(max_staleness=1, oversample=0.5)).validate()
+    # the server fleet streams groups too (rollout.fleet_stream): partial rollouts and oversampling validate
+    RolloutConfig(engine="vllm_server", placement="external", server_urls=["http://h:8000"],
+                  async_=AsyncConfig(max_staleness=1, partial_rollout=True, oversample=0.5)).validate()
     with pytest.raises(ValueError, match="in flight"):
         _scheduler(_cfg(max_staleness=1, partial_rollout=True), FakeEngine())

@@ -1,0 +1,145 @@
+"""The KL reference policy and the trainer's log-prob phase, single rank (in this process, gloo),
+against float64 Hugging Face transformers.
+
+Checks: the reference holds the starting weights (from an HF checkpoint or from the model part of a
+policy checkpoint), stays frozen while the policy trains, and building it consumes no random
+numbers; the log-prob phase (``grpo.add_logprobs``) fills old and reference log-probs equal to the
+float64 ones, shapes the rewards with the KL penalty (``algo.kl.as_reward``) and recomputes the
+advantages from them; the KL loss term of the update sees the reference's log-probs. Tolerances:
+log-probs 2e-5 absolute (fp32 Megatron vs float64), derived values 1e-4 relative.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from policy_testlib import (LENGTHS, PROMPTS, hf_reference, make_batch, make_loss_fn, max_abs_diff,
+                            write_hf_model)
+
+pytestmark = pytest.mark.slow
+
+T = 0.7
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """A: the policy's start (tied embeddings); B: A with every weight nudged (a nearby reference)."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("ref")
+    a = write_hf_model(root / "a", "qwen2", tie=True, kv_heads=1)
+    model = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * p.abs().mean() * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(root / "b")
+    return {"a": a, "b": root / "b", "root": root}
+
+
+def _cfg(**reference):
+    from megatron_rl.models import OptimConfig, PolicyConfig
+    from megatron_rl.models.config import ReferenceConfig
+
+    return PolicyConfig(micro_batch_tokens=40, optim=OptimConfig(lr=1e-2, clip_grad=0.0),
+                        reference=ReferenceConfig(**reference))
+
+
+def _rl_batch():
+    """Two groups of three; group 1 is all-correct, so only the KL penalty can separate it."""
+    batch = make_batch(LENGTHS, PROMPTS)
+    batch.token_fields["rollout_logp"] = [torch.zeros(n) for n in batch.response_lens]
+    batch.seq_fields.update(rewards=torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0]),
+                            group_ids=torch.tensor([0, 0, 0, 1, 1, 1]),
+                            truncated=torch.zeros(6, dtype=torch.bool),
+                            advantages=torch.zeros(6))
+    return batch
+
+
+def test_reference_is_the_frozen_starting_weights(dirs, groups):
+    from megatron_rl.models.policy import MegatronPolicy
+    from megatron_rl.models.reference import ReferencePolicy
+
+    cfg = _cfg()
+    policy = MegatronPolicy.from_hf(str(dirs["a"]), cfg, groups)
+    ckpt = dirs["root"] / "start_ckpt"
+    policy.save_checkpoint(ckpt)  # what the SFT cold start / a stage's final leaves
+    rng = torch.get_rng_state()
+    from_ckpt = ReferencePolicy.from_checkpoint(ckpt, policy.arch, cfg, groups)
+    from_hf = ReferencePolicy.from_hf(str(dirs["a"]), cfg, groups)
+    assert torch.equal(rng, torch.get_rng_state()), "building the reference drew random numbers"
+    assert not any(p.requires_grad for chunk in from_hf.model for p in chunk.parameters())
+
+    batch = make_batch(LENGTHS, PROMPTS, seed=3)
+    loss_fn = make_loss_fn(batch)
+    for _ in range(2):
+        policy.train_step(batch, loss_fn, T, with_entropy=True)
+    start, _, _, _ = hf_reference(dirs["a"], batch, T, grads=False)
+    trained, _ = policy.compute_logprobs(batch, T, with_entropy=False)
+    assert max_abs_diff(trained, start) > 1e-3  # the policy moved ...
+    for ref in (from_ckpt, from_hf):  # ... the reference did not
+        logps, _ = ref.compute_logprobs(batch, T)
+        assert max_abs_diff(logps, start) < 2e-5
+
+
+def test_offload_is_refused_on_cpu(dirs, groups):
+    from megatron_rl.models.reference import ReferencePolicy
+
+    with pytest.raises(ValueError, match="policy.reference.offload"):
+        ReferencePolicy.from_hf(str(dirs["a"]), _cfg(offload=True), groups)
+
+
+def test_logprob_phase_kl_reward_against_float64(dirs, groups):
+    from megatron_rl.algo import AlgoConfig
+    from megatron_rl.algo.advantages import grpo_advantages_reference
+    from megatron_rl.models.policy import MegatronPolicy
+    from megatron_rl.models.reference import ReferencePolicy
+    from megatron_rl.trainer.grpo import add_logprobs
+
+    policy = MegatronPolicy.from_hf(str(dirs["a"]), _cfg(), groups)
+    ref = ReferencePolicy.from_hf(str(dirs["b"]), _cfg(), groups)
+    algo = AlgoConfig.from_dict({"kl": {"enabled": True, "as_reward": True, "estimator": "k1",
+                                        "coef": 0.1}})
+    batch = _rl_batch()
+    metrics = add_logprobs(policy, ref, batch, algo, T, version=0)
+
+    lp_a, _, _, _ = hf_reference(dirs["a"], batch, T, grads=False)
+    lp_b, _, _, _ = hf_reference(dirs["b"], batch, T, grads=False)
+    assert max_abs_diff(batch.token_fields["old_logp"], lp_a) < 2e-5
+    assert max_abs_diff(batch.token_fields["ref_logp"], lp_b) < 2e-5
+    penalty = [0.1 * float((a - b).sum()) for a, b in zip(lp_a, lp_b)]
+    # a small difference of two fp32 log-prob sums: its error is absolute (token errors < 2e-5)
+    assert metrics["kl/reward_penalty_mean"] == pytest.approx(sum(penalty) / 6, rel=1e-4, abs=1e-6)
+    rewards = [r - p for r, p in zip(batch.seq_fields["rewards"].tolist(), penalty)]
+    want = grpo_advantages_reference(rewards, [0, 0, 0, 1, 1, 1], [True] * 6, norm_by_std=True,
+                                     eps=1e-6)
+    got = batch.seq_fields["advantages"].tolist()
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+    assert any(abs(x) > 0.1 for x in got[3:])  # the all-correct group: separated by KL alone
+
+
+def test_kl_loss_sees_the_reference_against_float64(dirs, groups):
+    from megatron_rl.algo import AlgoConfig
+    from megatron_rl.models.policy import MegatronPolicy
+    from megatron_rl.models.reference import ReferencePolicy
+    from megatron_rl.trainer.grpo import add_logprobs, update_policy
+
+    policy = MegatronPolicy.from_hf(str(dirs["a"]), _cfg(), groups)
+    ref = ReferencePolicy.from_hf(str(dirs["b"]), _cfg(), groups)
+    coef = 0.05
+    algo = AlgoConfig.from_dict({"kl": {"enabled": True, "estimator": "k3_unclamped",
+                                        "coef": coef}})
+    batch = _rl_batch()
+    batch.seq_fields["advantages"] = torch.tensor([0.5, -0.2, -0.3, 0.1, 0.0, -0.1])
+    add_logprobs(policy, ref, batch, algo, T, version=0)
+    assert "old_logp" not in batch.token_fields  # strictly on-policy: no recompute
+    metrics, _ = update_policy(policy, batch, algo, T, alpha=0.0, max_response_len=20, seed=0)
+
+    lp_a, _, _, _ = hf_reference(dirs["a"], batch, T, grads=False)
+    lp_b, _, _, _ = hf_reference(dirs["b"], batch, T, grads=False)
+    k3 = [torch.exp(b - a) - 1 - (b - a) for a, b in zip(lp_a, lp_b)]
+    token_mean = float(sum(k.sum() for k in k3)) / sum(batch.response_lens)
+    assert metrics["actor/kl"] == pytest.approx(token_mean, rel=1e-4)
+    assert metrics["actor/loss"] - metrics["actor/pg_loss"] == pytest.approx(coef * token_mean,
+                                                                             rel=1e-4)
