@@ -101,6 +101,7 @@ def _engines(config: str, run_dir: str | None, node: str | None, host: str | Non
     import threading
     import time
 
+    from megatron_rl.common.errors import InputError
     from megatron_rl.demo import tiny_model_dir
     from megatron_rl.trainer.engines import node_launcher
     from megatron_rl.trainer.schema import load_run_config
@@ -109,18 +110,16 @@ def _engines(config: str, run_dir: str | None, node: str | None, host: str | Non
         overrides = [*overrides, f"trainer.run_dir={run_dir}"]
     cfg = load_run_config(config, overrides)
     if cfg.rollout.engine != "vllm_server":
-        print("megatron-rl engines: the config runs rollout.engine="
-              f"{cfg.rollout.engine!r} (in the trainer's process); nothing to launch", file=sys.stderr)
-        return 2
+        raise InputError(f"engines: the config runs rollout.engine={cfg.rollout.engine!r} (in the "
+                         "trainer's process); nothing to launch")
     model_path = cfg.model.path or str(tiny_model_dir(cfg.trainer.run_dir))
     deadline = time.monotonic() + cfg.rollout.start_timeout_s
     # the demo's tiny model is written by the trainer's rank 0; tiny_spec.json is its last file
     done = Path(model_path) / ("config.json" if cfg.model.path else "tiny_spec.json")
     while not done.exists():
         if time.monotonic() > deadline:
-            print(f"megatron-rl engines: no model at {model_path} after {cfg.rollout.start_timeout_s:g}s",
-                  file=sys.stderr)
-            return 2
+            raise InputError(f"engines: no model at {model_path} after "
+                             f"rollout.start_timeout_s={cfg.rollout.start_timeout_s:g}s")
         time.sleep(1.0)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -158,14 +157,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
+    from megatron_rl.common.cli_args import PROGRAM, ArgumentParser
+
     if argv[:2] == ["data", "difficulty"]:  # its own option parser (argparse.REMAINDER drops --options)
         _setup_logging()
         from megatron_rl.tools.difficulty import cli_main
 
         return cli_main(argv[2:])
-    p = argparse.ArgumentParser(prog="megatron-rl", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = ArgumentParser(prog=PROGRAM, description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     t = sub.add_parser("train", help="run GRPO stages from a config")
     t.add_argument("--config", required=True)
     t.add_argument("--stage", default=None, help="run only this stage (default: all, in order)")
@@ -191,7 +192,7 @@ def _main(argv: list[str]) -> int:
     v = sub.add_parser("validate", help="load and validate config files")
     v.add_argument("configs", nargs="+")
     dd = sub.add_parser("data", help="data tools")
-    dsub = dd.add_subparsers(dest="data_cmd", required=True)
+    dsub = dd.add_subparsers(dest="data_cmd", required=True, metavar="TOOL")
     dsub.add_parser("difficulty", help="label prompts solved / unsolved / hard / suspected wrong label "
                                        "(`megatron-rl data difficulty --help`)")
     args = p.parse_args(argv)
@@ -204,9 +205,9 @@ def _main(argv: list[str]) -> int:
     if args.cmd == "demo":
         return _train(str(DEMO_CONFIG), args.run_dir, None, args.overrides, args.verbose)
     if args.cmd == "analyze":
-        from megatron_rl.analysis.report import cli_main
+        from megatron_rl.analysis.report import main as analyze_main
 
-        return cli_main([args.run_dir] + (["--out", args.out] if args.out else []))
+        return analyze_main(args.run_dir, args.out)
     if args.cmd == "validate":
         from megatron_rl.trainer.schema import load_run_config
 

@@ -9,7 +9,6 @@ wrong labels, the list's recall and precision.
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
 import shutil
@@ -197,17 +196,11 @@ def analyze(run_dir: str | Path, out_dir: str | Path | None = None) -> dict:
     return facts
 
 
-def cli_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="megatron-rl analyze",
-                                description="write RUN_DIR/report/index.html from a run directory")
-    p.add_argument("run_dir")
-    p.add_argument("--out", default=None, help="report directory (default: RUN_DIR/report)")
-    args = p.parse_args(argv)
-    try:
-        facts = analyze(args.run_dir, args.out)
-    except FileNotFoundError as exc:
-        print(f"megatron-rl analyze: {exc}")
-        return 2
+def main(run_dir: str, out_dir: str | None = None) -> int:
+    """``megatron-rl analyze RUN_DIR [--out DIR]``: write the report, print its figures; the last
+    line is the facts as one JSON object. A path that is no run directory raises
+    :class:`~megatron_rl.analysis.run_data.RunDirError` (``megatron-rl`` prints it, exit 2)."""
+    facts = analyze(run_dir, out_dir)
     if facts["dump_overhead"] is not None:
         print(f"rollout dumps: {100 * facts['dump_overhead']:.2f}% of GRPO step time "
               f"({1000 * facts.get('dump_seconds_per_step', 0):.1f} ms of {facts.get('step_seconds', 0):.2f} s per step)")

@@ -13,9 +13,14 @@ from pathlib import Path
 
 import pandas as pd
 
+from megatron_rl.common.errors import InputError
 from megatron_rl.tracking.rollouts import read_rollouts
 from megatron_rl.data.wrong_labels import FILE_NAME as WRONG_LABELS_FILE
 from megatron_rl.data.wrong_labels import PLANTED_FILE
+
+# What every run writes early (the log routing's directory, the tracker's metrics, the dumps, the
+# summary): a directory with none of them is not a run directory.
+RUN_MARKERS = ("metrics.jsonl", "logs", "rollouts", "summary.json")
 TIMING_PARTS = ("gen", "reward", "logprob", "update", "sync", "dump", "other")
 
 
@@ -89,10 +94,16 @@ def _json(path: Path):
     return json.loads(path.read_text()) if path.exists() else None
 
 
+class RunDirError(InputError):
+    """The path given as a run directory is none."""
+
+
 def load_run(run_dir: str | Path) -> RunData:
     root = Path(run_dir)
     if not root.is_dir():
-        raise FileNotFoundError(f"{root}: no such run directory")
+        raise RunDirError(f"{root}: no such run directory")
+    if not any((root / m).exists() for m in RUN_MARKERS):
+        raise RunDirError(f"{root}: not a run directory (it has none of {', '.join(RUN_MARKERS)})")
     metrics, sft_steps = read_metrics(root / "metrics.jsonl")
     rollouts = read_rollouts(root)
     if rollouts is not None:

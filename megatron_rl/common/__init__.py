@@ -1,5 +1,6 @@
-"""Generic machinery every package may use: the name registry, the metric reducer and the base
-class of the errors a user can fix (:class:`InputError`).
+"""Generic machinery every package may use: the name registry, the metric reducer, the base
+class of the errors a user can fix (:class:`InputError`) and the subcommands' argument parser
+(``cli_args``: its errors are InputErrors).
 
 The bottom of the house (with ``compat`` and ``config``): it imports nothing from megatron_rl.
 """

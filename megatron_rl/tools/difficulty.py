@@ -14,7 +14,6 @@ training keeps labels / pass-rate ranges via ``data.keep_labels`` / ``data.pass_
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
@@ -206,7 +205,9 @@ def cli_main(argv: list[str]) -> int:
     """
     from megatron_rl.config.loader import load
 
-    p = argparse.ArgumentParser(prog="megatron-rl data difficulty",
+    from megatron_rl.common.cli_args import ArgumentParser
+
+    p = ArgumentParser(prog="megatron-rl data difficulty",
                                 description="label prompts solved / mixed / hard / unsolved / "
                                             "suspected_wrong_label by sampling k responses")
     p.add_argument("--data", required=True, help="input dataset (.jsonl / .json / .parquet)")

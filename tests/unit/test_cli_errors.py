@@ -3,8 +3,6 @@ traceback; a bug keeps its traceback. (In process: none of these get as far as b
 
 from __future__ import annotations
 
-
-
 import pytest
 import yaml
 
@@ -16,7 +14,8 @@ MIN = {"model": {"tiny": {}}, "data": {"train_path": "x.jsonl"},
 
 def _one_line(capsys, argv, *expected):
     assert main(argv) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert "megatron-rl:" not in out, out  # errors go to stderr
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("megatron-rl: "), err
     assert "Traceback" not in err
@@ -70,6 +69,37 @@ def test_data_difficulty_errors(capsys, tmp_path, tiny_llama):
     _one_line(capsys, [*base, "--data", str(data)], str(data), "row 2", "UTF-8")
     _one_line(capsys, ["data", "difficulty", "--model", tiny_llama, "--out", str(tmp_path / "o.csv"),
                        "--data", str(data)], "o.csv")
+
+
+def test_analyze_not_a_run_dir(capsys, tmp_path):
+    _one_line(capsys, ["analyze", str(tmp_path / "nope")], "nope", "no such run directory")
+    (tmp_path / "file").write_text("x")
+    _one_line(capsys, ["analyze", str(tmp_path / "file")], "file", "no such run directory")
+    (tmp_path / "empty").mkdir()
+    _one_line(capsys, ["analyze", str(tmp_path / "empty")], "empty", "not a run directory")
+
+
+def test_engines_without_servers_to_launch(capsys, cfg_file):
+    _one_line(capsys, ["engines", "--config", str(cfg_file)], "engines:", "rollout.engine='vllm'",
+              "nothing to launch")
+
+
+@pytest.mark.parametrize("argv,says", [
+    ([], "COMMAND"),
+    (["bogus"], "invalid choice: 'bogus'"),
+    (["train"], "train: the following arguments are required: --config"),
+    (["train", "--config", "c.yaml", "--bogus"], "unrecognized arguments: --bogus"),
+    (["demo", "--run-dir"], "demo: argument --run-dir: expected one argument"),
+    (["engines", "--config", "c.yaml", "--count", "x"], "engines: argument --count: invalid int"),
+    (["analyze"], "analyze: the following arguments are required: run_dir"),
+    (["validate"], "validate: the following arguments are required: configs"),
+    (["data"], "data: the following arguments are required: TOOL"),
+    (["data", "bogus"], "data: argument TOOL: invalid choice: 'bogus'"),
+    (["data", "difficulty", "--data", "d.jsonl"], "data difficulty: the following arguments are "
+                                                  "required: --model, --out"),
+])
+def test_every_subcommand_reports_a_bad_command_line_in_one_line(capsys, argv, says):
+    assert "--help" in _one_line(capsys, argv, says)  # one line: no usage block
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch, cfg_file):

