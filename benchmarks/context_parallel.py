@@ -146,12 +146,12 @@ def attention_part(seq: int, repeats: int, device: str = "cpu", dtype=torch.floa
 
 
 def worker(args) -> None:
-    from megatron_rl.compat import apply_cpu_shim
+    from megatron_rl.compat import apply_compat
     from megatron_rl.models import (OptimConfig, ParallelConfig, PolicyConfig, SequenceBatch,
                                     destroy_distributed, init_distributed)
     from megatron_rl.models.policy import MegatronPolicy
 
-    apply_cpu_shim()
+    apply_compat()
     g = torch.Generator().manual_seed(0)
     seq = torch.randint(3, 40, (args.seq,), generator=g).tolist()
     n = args.seq - args.prompt
@@ -228,9 +228,9 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from megatron_rl.compat import apply_cpu_shim
+    from megatron_rl.compat import apply_compat
 
-    apply_cpu_shim()
+    apply_compat()
     mib = lambda b: f"{b / 2**20:9.1f} MiB"  # noqa: E731
     print(f"load average before: {loadavg()} (shared 2-core machine; times are upper bounds)")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

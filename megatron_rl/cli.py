@@ -50,9 +50,9 @@ def model_dir(cfg) -> str:
 
 def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[str],
            verbose: bool = False) -> int:
-    """The entry point of a run: config, CPU shim, process groups, the demo's inputs, the trainer's
-    parts, signal handlers, then the stages."""
-    from megatron_rl.compat import apply_cpu_shim
+    """The entry point of a run: config, CPU shim and Megatron fixes, process groups, the demo's
+    inputs, the trainer's parts, signal handlers, then the stages."""
+    from megatron_rl.compat import apply_compat
     from megatron_rl.demo import prepare_inputs
     from megatron_rl.models import init_distributed
     from megatron_rl.models.hf_config import read_hf_config
@@ -69,7 +69,7 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
     cfg = load_run_config(config, overrides)
     if stage:
         cfg.stage(stage)  # fail fast on an unknown stage, before anything is built
-    apply_cpu_shim()  # the one call that lets Megatron-Core run without CUDA (a no-op with CUDA)
+    apply_compat()  # the one call: the CPU shim (a no-op with CUDA) and the Megatron fixes
     groups = init_distributed(cfg.policy.parallel, seed=cfg.policy.seed)
     logs = route_logs(cfg.trainer.run_dir, verbose=cfg.tracking.console_libraries, rank=groups.rank)
     if groups.rank == 0:

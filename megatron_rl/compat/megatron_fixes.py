@@ -34,8 +34,14 @@ import torch
 _STATE = {"applied": False}
 
 
+def megatron_fixes_applied() -> bool:
+    """Whether :func:`apply_megatron_fixes` has run in this process."""
+    return _STATE["applied"]
+
+
 def apply_megatron_fixes() -> None:
-    """Patch Megatron once per process (idempotent)."""
+    """Patch Megatron once per process (idempotent); through ``megatron_rl.compat.apply_compat``,
+    the entry point's one call."""
     if _STATE["applied"]:
         return
     _STATE["applied"] = True

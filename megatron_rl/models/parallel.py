@@ -7,8 +7,9 @@ a ``ParallelGroups`` and never touches ``megatron.core.parallel_state`` or the m
 tracker: what it needs from them (a chunk's place in the pipeline, the RNG states a checkpoint
 keeps, a barrier) is asked here.
 
-Without CUDA, the entry point applies the CPU shim first (``megatron_rl.compat.apply_cpu_shim()``,
-one explicit call); :func:`init_distributed` then uses gloo and refuses to start if it was not applied.
+The entry point applies the CPU shim (without CUDA) and the Megatron fixes first
+(``megatron_rl.compat.apply_compat()``, one explicit call); :func:`init_distributed` refuses to start
+if it was not made, and uses gloo when the shim is active.
 
 Works under torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` in the environment) and in a plain
 process (a one-rank world on a private file store). Calling it again with another layout tears the
@@ -26,8 +27,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from megatron_rl.compat import cpu_shim_active, megatron_cpu_scope
-from megatron_rl.compat.megatron_fixes import apply_megatron_fixes
+from megatron_rl.compat import compat_applied, cpu_shim_active, megatron_cpu_scope
 from megatron_rl.config.base import ConfigError
 from megatron_rl.models.config import ParallelConfig
 
@@ -157,11 +157,10 @@ def init_distributed(cfg: ParallelConfig, timeout_s: float | None = None,
 
     timeout_s = cfg.timeout_s if timeout_s is None else timeout_s
     shim = cpu_shim_active()
-    if not shim and not torch.cuda.is_available():
-        raise RuntimeError("no CUDA device and the CPU shim is not applied: call "
-                           "megatron_rl.compat.apply_cpu_shim() once at the entry point, before "
+    if not compat_applied() or (not shim and not torch.cuda.is_available()):
+        raise RuntimeError("the compatibility fixes are not applied: call "
+                           "megatron_rl.compat.apply_compat() once at the entry point, before "
                            "init_distributed")
-    apply_megatron_fixes()
     backend = "gloo" if shim else "nccl"
     world_rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() \
         else _world_from_env()

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration" / "models"))
 from policy_testlib import make_batch, make_loss_fn  # noqa: E402
 
-from megatron_rl.compat import apply_cpu_shim  # noqa: E402
+from megatron_rl.compat import apply_compat  # noqa: E402
 from megatron_rl.models import OptimConfig, ParallelConfig, PolicyConfig, init_distributed  # noqa: E402
 from megatron_rl.models.policy import MegatronPolicy  # noqa: E402
 
@@ -26,7 +26,7 @@ TEMPERATURE = 0.8
 
 def main() -> None:
     out, hf = Path(sys.argv[1]), sys.argv[2]
-    apply_cpu_shim()  # no-op with CUDA
+    apply_compat()  # no-op with CUDA
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     par = ParallelConfig(context_parallel=2, timeout_s=300)

@@ -42,8 +42,10 @@ def exact_fp32():
 
 @pytest.fixture(scope="module")
 def groups():
+    from megatron_rl.compat import apply_compat
     from megatron_rl.models import ParallelConfig, destroy_distributed, init_distributed
 
+    apply_compat()  # the entry point's one explicit call (the Megatron fixes; no shim with CUDA)
     g = init_distributed(ParallelConfig())
     yield g
     destroy_distributed()

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from policy_testlib import make_batch, make_loss_fn, run_cases, seq_means  # noqa: E402
 
-from megatron_rl.compat import apply_cpu_shim  # noqa: E402
+from megatron_rl.compat import apply_compat  # noqa: E402
 from megatron_rl.models import (OptimConfig, ParallelConfig, PolicyConfig,  # noqa: E402
                                 RecomputeConfig, init_distributed)
 from megatron_rl.models.batch import PerSequence  # noqa: E402
@@ -127,5 +127,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    apply_cpu_shim()  # the entry point's one explicit call (no-op with CUDA)
+    apply_compat()  # the entry point's one explicit call (no-op with CUDA)
     main()

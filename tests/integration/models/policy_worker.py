@@ -17,7 +17,7 @@ import torch.distributed.checkpoint  # noqa: F401 - CheckpointException
 sys.path.insert(0, str(Path(__file__).parent))
 from policy_testlib import make_batch, make_loss_fn, run_cases, seq_means  # noqa: E402
 
-from megatron_rl.compat import apply_cpu_shim  # noqa: E402
+from megatron_rl.compat import apply_compat  # noqa: E402
 from megatron_rl.models import OptimConfig, ParallelConfig, PolicyConfig, init_distributed  # noqa: E402
 from megatron_rl.models.batch import PerSequence  # noqa: E402
 from megatron_rl.models.policy import MegatronPolicy  # noqa: E402
@@ -206,5 +206,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    apply_cpu_shim()  # the entry point's one explicit call (no-op with CUDA)
+    apply_compat()  # the entry point's one explicit call (no-op with CUDA)
     main()

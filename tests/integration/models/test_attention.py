@@ -22,10 +22,10 @@ SEQ, BATCH, HEAD_DIM = 12, 3, 16
 def pg():
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_rl.compat import apply_cpu_shim
+    from megatron_rl.compat import apply_compat
     from megatron_rl.models import ParallelConfig, destroy_distributed, init_distributed
 
-    apply_cpu_shim()  # the entry point's one explicit call (no-op with CUDA)
+    apply_compat()  # the entry point's one explicit call (no-op with CUDA)
     init_distributed(ParallelConfig())
     yield ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
     destroy_distributed()

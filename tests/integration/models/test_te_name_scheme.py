@@ -84,12 +84,12 @@ def hf_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def local_layers(hf_dirs):
     """One built local-spec layer per architecture: {arch: (HFArch, {name: shape})}."""
-    from megatron_rl.compat import apply_cpu_shim, megatron_cpu_scope
+    from megatron_rl.compat import apply_compat, megatron_cpu_scope
     from megatron_rl.models import ParallelConfig, destroy_distributed, init_distributed
     from megatron_rl.models.gpt import build_model_chunks
     from megatron_rl.models.hf_config import read_hf_config
 
-    apply_cpu_shim()  # the entry point's one explicit call (no-op with CUDA)
+    apply_compat()  # the entry point's one explicit call (no-op with CUDA)
     groups = init_distributed(ParallelConfig())
     out = {}
     for arch, hf in hf_dirs.items():

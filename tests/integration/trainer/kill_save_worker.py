@@ -55,7 +55,7 @@ def _setup(model_dir: Path):
     """World, policy and a context factory (in the process that calls it)."""
     from megatron_rl.algo import EntropyController
     from megatron_rl.algo.config import EntropyConfig
-    from megatron_rl.compat import apply_cpu_shim
+    from megatron_rl.compat import apply_compat
     from megatron_rl.models import ParallelConfig, PolicyConfig, init_distributed
     from megatron_rl.models.policy import MegatronPolicy
     from megatron_rl.trainer.config import StageConfig
@@ -64,7 +64,7 @@ def _setup(model_dir: Path):
     from megatron_rl.trainer.state import RunDir
     from megatron_rl.trainer.stop import StopRequest
 
-    apply_cpu_shim()
+    apply_compat()
     groups = init_distributed(ParallelConfig())
     policy = MegatronPolicy.from_hf(str(model_dir), PolicyConfig(), groups)
     stage = StageConfig(name=STAGE, max_response_len=4, max_steps=3)

@@ -50,11 +50,30 @@ def test_fresh_process_needs_shim_and_apply_is_idempotent():
             print("in scope:", torch.zeros(1, device="cuda").device)
         from megatron.core.pipeline_parallel import schedules
         print("schedules:", schedules.torch.zeros([], dtype=torch.int, device="cuda").device)
+        # The entry point's one call adds the Megatron fixes; init_distributed refuses without it.
+        from megatron.core.optimizer import optimizer as mo
+        from megatron_rl.compat import apply_compat, compat_applied
+        from megatron_rl.models import ParallelConfig, destroy_distributed, init_distributed
+        try:
+            init_distributed(ParallelConfig())
+            print("init without apply_compat: ok")
+        except RuntimeError as exc:
+            print("init without apply_compat: refused,", "apply_compat()" in str(exc))
+        load = mo.FP32Optimizer.load_state_dict
+        assert not compat_applied() and apply_compat() and apply_compat() and compat_applied()
+        fixed = mo.FP32Optimizer.load_state_dict  # wraps Megatron's own, once
+        print("fixes patched once:", fixed is not load,
+              any(c.cell_contents is load for c in fixed.__closure__))
+        print("init after:", init_distributed(ParallelConfig()).world_size)
+        destroy_distributed()
     """)
     assert "before: fails" in out  # the patching is really needed on this machine
     assert "global modes added: 0" in out  # the device mode is scoped, never left on
     assert "in scope: cpu" in out
     assert "schedules: cpu" in out
+    assert "init without apply_compat: refused, True" in out
+    assert "fixes patched once: True True" in out
+    assert "init after: 1" in out
 
 
 def test_noop_when_cuda_is_available():
