@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from megatron_rl.config.base import ConfigBase
+from megatron_rl.config.base import ConfigBase, ranged
 
 TruncationMask = Literal["none", "before", "after"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -29,21 +29,17 @@ def check_choice(cfg: ConfigBase, name: str, choices: tuple) -> None:
 @dataclass(kw_only=True)
 class ClipConfig(ConfigBase):
     # PPO ratio clip below 1: the ratio of a token with negative advantage is clipped at 1 - eps_low.
-    eps_low: float = 0.2
+    eps_low: float = ranged(0.2, ge=0.0, le=1.0)
     # PPO ratio clip above 1 ("clip-higher", DAPO): positive-advantage tokens clipped at 1 + eps_high.
     # The seed warns 0.28 can be too high (data dependent); must be >= eps_low.
-    eps_high: float = 0.28
+    eps_high: float = ranged(0.28, ge=0.0)
     # Dual clip: for negative advantages the per-token loss is capped at -c * A. None = off; c > 1.
-    dual_clip_c: float | None = None
+    dual_clip_c: float | None = ranged(None, gt=1.0)
 
     def validate(self) -> None:
         super().validate()
-        self.check_range("eps_low", lo=0.0, hi=1.0)
-        self.check_range("eps_high", lo=0.0)
         if self.eps_high < self.eps_low:
             self.fail("eps_high", f"must be >= eps_low ({self.eps_low}), got {self.eps_high}")
-        if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
-            self.fail("dual_clip_c", f"must be > 1 (or null to disable), got {self.dual_clip_c}")
 
 
 @dataclass(kw_only=True)
@@ -53,14 +49,14 @@ class EntropyConfig(ConfigBase):
     # the term applies only at steps whose entropy is <= target).
     mode: EntropyMode = "off"
     # Fixed mode: the coefficient. Adaptive mode: the controller's starting value c_0 (the report: 0).
-    coef: float = 0.0
+    coef: float = ranged(0.0, ge=0.0)
     # Adaptive mode: the entropy the controller holds the policy at (nats per token).
-    target: float = 0.2
+    target: float = ranged(0.2, ge=0.0)
     # Adaptive mode: the step by which the coefficient moves after every training step.
-    delta: float = 0.005
+    delta: float = ranged(0.005, ge=0.0)
     # Adaptive mode: the coefficient is clamped to [coef_min, coef_max].
-    coef_min: float = 0.0
-    coef_max: float = 0.05
+    coef_min: float = ranged(0.0, ge=0.0)
+    coef_max: float = ranged(0.05, ge=0.0)
     # "full": entropy of the whole vocabulary distribution (given by the model forward);
     # "sampled": the sampled-token estimate -log pi(a), with an unbiased gradient surrogate.
     estimator: EntropyEstimator = "full"
@@ -69,8 +65,6 @@ class EntropyConfig(ConfigBase):
         super().validate()
         check_choice(self, "mode", get_args(EntropyMode))
         check_choice(self, "estimator", get_args(EntropyEstimator))
-        for name in ("coef", "target", "delta", "coef_min"):
-            self.check_range(name, lo=0.0)
         if self.coef_max < self.coef_min:
             self.fail("coef_max", f"must be >= coef_min ({self.coef_min}), got {self.coef_max}")
         if self.mode == "adaptive" and not self.coef_min <= self.coef <= self.coef_max:
@@ -88,7 +82,7 @@ class KLConfig(ConfigBase):
     # (clamped), elsewhere k3 is the unclamped one, so the name does not say which is meant.
     estimator: str = "low_var_kl"
     # Weight of the KL term (loss) or of the per-sequence KL penalty subtracted from the reward.
-    coef: float = 0.001
+    coef: float = ranged(0.001, ge=0.0)
     # True: KL is a reward penalty (see algo.kl.kl_reward_penalty), not a loss term.
     as_reward: bool = False
 
@@ -98,7 +92,6 @@ class KLConfig(ConfigBase):
             self.fail("estimator", "'k3' is ambiguous: verl's k3 is clamped to [-10, 10] (here "
                                    "'low_var_kl'); the plain estimator is 'k3_unclamped'")
         check_choice(self, "estimator", get_args(KLEstimator))
-        self.check_range("coef", lo=0.0)
 
 
 @dataclass(kw_only=True)
@@ -109,16 +102,14 @@ class MismatchConfig(ConfigBase):
     # "icepop": per-token weight pi_old / pi_rollout inside [icepop_low, icepop_high], 0 outside.
     mode: MismatchMode = "none"
     # TIS truncation C.
-    tis_cap: float = 2.0
+    tis_cap: float = ranged(2.0, gt=0.0)
     # IcePop band [a, b] of the train/rollout probability ratio; tokens outside are masked.
-    icepop_low: float = 0.5
-    icepop_high: float = 5.0
+    icepop_low: float = ranged(0.5, ge=0.0)
+    icepop_high: float = ranged(5.0, gt=0.0)
 
     def validate(self) -> None:
         super().validate()
         check_choice(self, "mode", get_args(MismatchMode))
-        self.check_range("tis_cap", lo=0.0, lo_open=True)
-        self.check_range("icepop_low", lo=0.0)
         if self.icepop_high <= self.icepop_low:
             self.fail("icepop_high", f"must be > icepop_low ({self.icepop_low}), "
                                      f"got {self.icepop_high}")
@@ -131,16 +122,16 @@ class AlgoConfig(ConfigBase):
     # GRPO: divide by the group's unbiased std (+ adv_eps). False is Dr.GRPO's mean-only advantage.
     norm_adv_by_std: bool = True
     # Added to the group std before dividing (verl's epsilon).
-    adv_eps: float = 1e-6
+    adv_eps: float = ranged(1e-6, ge=0.0)
     # Truncated responses (hit max length): "none" no mask (the report's choice); "before" left out
     # of the group mean/std and given advantage 0; "after" kept in the statistics, advantage then 0.
     truncation_mask: TruncationMask = "none"
     # Drop groups whose rewards all equal each other (all-correct, all-wrong, or equal fractional).
     filter_zero_variance_groups: bool = True
     # Reward at or above which a response counts as correct (all-correct group counting only).
-    correct_reward: float = 1.0
+    correct_reward: float = ranged(1.0)
     # Reward at or below which a response counts as wrong (all-wrong group counting only).
-    wrong_reward: float = 0.0
+    wrong_reward: float = ranged(0.0)
     # Per-token policy loss, by registered name (algo.POLICY_LOSSES): "ppo_clip", "reinforce".
     policy_loss: str = "ppo_clip"
     clip: ClipConfig = field(default_factory=ClipConfig)
@@ -153,9 +144,9 @@ class AlgoConfig(ConfigBase):
     kl: KLConfig = field(default_factory=KLConfig)
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     # Passes over each rollout batch (> 1 goes off-policy; the report: entropy then collapses fast).
-    n_sgd: int = 1
+    n_sgd: int = ranged(1, ge=1)
     # Optimizer steps per pass (mini-batches the rollout batch is split into). 1 = on-policy.
-    mini_batches: int = 1
+    mini_batches: int = ranged(1, ge=1)
 
     def validate(self) -> None:
         super().validate()
@@ -165,11 +156,8 @@ class AlgoConfig(ConfigBase):
             self.fail("adv_estimator", ADV_ESTIMATORS.unknown_message(self.adv_estimator))
         if self.policy_loss not in POLICY_LOSSES:
             self.fail("policy_loss", POLICY_LOSSES.unknown_message(self.policy_loss))
-        self.check_range("adv_eps", lo=0.0)
         check_choice(self, "truncation_mask", get_args(TruncationMask))
         check_choice(self, "loss_agg", get_args(LossAgg))
         if self.wrong_reward >= self.correct_reward:
             self.fail("wrong_reward", f"must be < correct_reward ({self.correct_reward}), "
                                       f"got {self.wrong_reward}")
-        self.check_range("n_sgd", lo=1)
-        self.check_range("mini_batches", lo=1)

@@ -4,6 +4,9 @@ Every component declares its own config as a subclass of :class:`ConfigBase`, do
 where it is declared (a comment right above it), and checks its own values in ``validate``. Checks
 that span components live in one function, :func:`megatron_rl.trainer.schema.validate_cross`.
 
+A numeric field declares the values it accepts where it is declared (``ranged(8, ge=1)``, a
+:class:`Range`); ``validate`` checks that before the component's own checks.
+
 Errors always name the dotted key (``algo.clip.eps_high``) and, when the value came from a file, the
 file, so a typo in a YAML file is an error and never a silent default.
 """
@@ -41,6 +44,74 @@ class ConfigError(InputError, ValueError):
 
 
 _NONE_TYPE = type(None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric config field accepts: an interval whose ends are closed (``ge`` /
+    ``le``), open (``gt`` / ``lt``) or absent, plus single values outside it that mean something
+    (``also``: ``top_k = -1`` is off). Declared on the field with :func:`ranged`;
+    :meth:`ConfigBase.validate` checks it, the config reference shows it, and the input-error tests
+    probe it (every numeric field must declare one: ``ranged()`` with no bound is "any number")."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    also: tuple = ()
+
+    def __post_init__(self):
+        if self.ge is not None and self.gt is not None or self.le is not None and self.lt is not None:
+            raise TypeError("a Range has at most one lower and one upper bound")
+
+    @property
+    def lo(self) -> float | None:
+        return self.ge if self.ge is not None else self.gt
+
+    @property
+    def hi(self) -> float | None:
+        return self.le if self.le is not None else self.lt
+
+    def __contains__(self, value) -> bool:
+        if value in self.also:
+            return True
+        below = (self.ge is not None and value < self.ge) or (self.gt is not None and value <= self.gt)
+        above = (self.le is not None and value > self.le) or (self.lt is not None and value >= self.lt)
+        return not (below or above)
+
+    def __str__(self) -> str:
+        lo, hi = _number(self.lo), _number(self.hi)
+        if self.lo is not None and self.hi is not None:
+            text = f"{'[' if self.ge is not None else '('}{lo}, {hi}{']' if self.le is not None else ')'}"
+        elif self.lo is not None:
+            text = f"{'>=' if self.ge is not None else '>'} {lo}"
+        elif self.hi is not None:
+            text = f"{'<=' if self.le is not None else '<'} {hi}"
+        else:
+            return "any"
+        return " or ".join([*(_number(v) for v in self.also), text])
+
+    def refusal(self, value) -> str:
+        """The error message for a value outside the range."""
+        both = self.lo is not None and self.hi is not None and not self.also
+        return f"must be {'in ' if both else ''}{self}, got {value!r}"
+
+
+def _number(v) -> str:
+    return str(v) if v is None or isinstance(v, int) else f"{v:g}"
+
+
+def ranged(default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
+           le: float | None = None, lt: float | None = None, also: tuple = (), **kwargs) -> Any:
+    """A numeric field and the :class:`Range` it accepts, e.g. ``group_size: int = ranged(8, ge=1)``
+    (no default: a required field); ``ranged(1.0)`` declares that any number is allowed."""
+    metadata = {**kwargs.pop("metadata", {}), "range": Range(ge=ge, gt=gt, le=le, lt=lt, also=also)}
+    return dataclasses.field(default=default, metadata=metadata, **kwargs)
+
+
+def field_range(f: dataclasses.Field) -> Range | None:
+    """The range declared on a field with :func:`ranged`, if any."""
+    return f.metadata.get("range")
 
 
 def yaml_key(f: dataclasses.Field) -> str:
@@ -164,18 +235,23 @@ class ConfigBase:
 
     def check_range(self, name: str, lo: float | None = None, hi: float | None = None,
                     lo_open: bool = False) -> None:
+        """A range that holds only in some settings (one that depends on another field). A field's
+        own range is declared where the field is, with :func:`ranged`."""
         value = getattr(self, name)
         if value is None:
             return
-        if lo is not None and (value < lo or (lo_open and value == lo)):
-            self.fail(name, f"must be {'>' if lo_open else '>='} {lo}, got {value!r}")
-        if hi is not None and value > hi:
-            self.fail(name, f"must be <= {hi}, got {value!r}")
+        bounds = Range(**{("gt" if lo_open else "ge"): lo}, le=hi)
+        if value not in bounds:
+            self.fail(name, bounds.refusal(value))
 
     def validate(self) -> None:
-        """Check this component's values; subclasses extend. Recurses into nested configs."""
+        """Check this component's values: first every field's declared :class:`Range`, then the
+        subclass's own checks (subclasses extend). Recurses into nested configs."""
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            bounds = field_range(f)
+            if bounds is not None and value is not None and value not in bounds:
+                self.fail(f.name, bounds.refusal(value))
             if isinstance(value, ConfigBase):
                 if not hasattr(value, "_prefix"):
                     value._prefix = self.key(f.name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_rl.config.base import ConfigBase
+from megatron_rl.config.base import ConfigBase, ranged
 from megatron_rl.data.wrong_labels import WrongLabelConfig
 
 # Difficulty labels written by `megatron-rl data difficulty` (megatron_rl/tools/difficulty.py).
@@ -29,17 +29,17 @@ class DataConfig(ConfigBase):
     # Prepended as a system message when the prompt has none ("" = none).
     system_prompt: str = ""
     # Prompts longer than this many tokens are dropped and counted (0 = keep all).
-    max_prompt_len: int = 0
+    max_prompt_len: int = ranged(0, ge=0)
     # A malformed row: "raise" (error naming file and row) or "skip" (counted in the stats).
     on_bad_row: str = "raise"
     # Read at most this many rows (0 = all).
-    max_rows: int = 0
+    max_rows: int = ranged(0, ge=0)
     # Offline filtering by the difficulty annotation (extra_info.difficulty): keep only these
     # labels ([] = any) and pass rates in [pass_rate_min, pass_rate_max]. With a filter set, rows
     # without an annotation are dropped and counted.
     keep_labels: list[str] = field(default_factory=list)
-    pass_rate_min: float = 0.0
-    pass_rate_max: float = 1.0
+    pass_rate_min: float = ranged(0.0, ge=0.0, le=1.0)
+    pass_rate_max: float = ranged(1.0, ge=0.0, le=1.0)
     # Live wrong-label detection during GRPO (the difficulty rule over each prompt's newest samples).
     wrong_labels: WrongLabelConfig = field(default_factory=WrongLabelConfig)
 
@@ -49,10 +49,6 @@ class DataConfig(ConfigBase):
             self.fail("chat_template", f"must be 'auto', 'always' or 'never', got {self.chat_template!r}")
         if self.on_bad_row not in ("raise", "skip"):
             self.fail("on_bad_row", f"must be 'raise' or 'skip', got {self.on_bad_row!r}")
-        self.check_range("max_prompt_len", lo=0)
-        self.check_range("max_rows", lo=0)
-        self.check_range("pass_rate_min", lo=0.0, hi=1.0)
-        self.check_range("pass_rate_max", lo=0.0, hi=1.0)
         if self.pass_rate_min > self.pass_rate_max:
             self.fail("pass_rate_min", f"{self.pass_rate_min} > pass_rate_max {self.pass_rate_max}")
         for label in self.keep_labels:

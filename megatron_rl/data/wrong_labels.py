@@ -19,7 +19,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_rl.config.base import ConfigBase
+from megatron_rl.config.base import ConfigBase, ranged
 from megatron_rl.data.labels import canonical_answer, label_prompt
 
 SUSPECT = "suspected_wrong_label"
@@ -36,43 +36,33 @@ class WrongLabelConfig(ConfigBase):
     enabled: bool = True
     # The rule sees each prompt's newest this many samples (0: every sample it ever had): the
     # policy changes, and its recent answers say most about the label.
-    window: int = 64
+    window: int = ranged(64, ge=0)
     # A prompt is labelled once it has at least this many samples.
-    min_samples: int = 16
+    min_samples: int = ranged(16, ge=1)
     # The rule's thresholds (megatron_rl.data.labels.label_prompt): share of the samples that must
     # give the same wrong answer, the pass rate up to which a prompt is "hard", the pass rate up to
     # which it can be a wrong label (0: stuck at 0, no sample of the window right) ...
-    agree_frac: float = 0.5
-    hard_max_pass_rate: float = 0.25
-    suspect_max_pass_rate: float = 0.0
+    agree_frac: float = ranged(0.5, gt=0.0, le=1.0)
+    hard_max_pass_rate: float = ranged(0.25, ge=0.0, le=1.0)
+    suspect_max_pass_rate: float = ranged(0.0, ge=0.0, le=1.0)
     # ... and the pass rate the policy must reach on a data source before a consensus against a
     # label of that source counts: a policy that fails at a kind of problem is as confidently wrong
     # on it as a wrong label is. Measured over the source's newest ``source_window`` samples.
-    min_source_pass_rate: float = 0.5
-    source_window: int = 4096
+    min_source_pass_rate: float = ranged(0.5, ge=0.0, le=1.0)
+    source_window: int = ranged(4096, ge=1)
     # Prompts listed as "hard, kept off the list" in the report (most samples first).
-    hard_examples: int = 50
+    hard_examples: int = ranged(50, ge=0)
     # Rewrite RUN_DIR/rollouts/wrong_labels.json every this many steps and at the end of each stage
     # (the list itself and the metric follow every step).
-    write_every: int = 10
+    write_every: int = ranged(10, ge=1)
     # Labelled prompts drawn in the report's map of the rule (pass rate vs agreement); past this
     # many, the listed and hard ones and then a fixed share of the rest (0: none).
-    points_max: int = 5000
+    points_max: int = ranged(5000, ge=0)
 
     def validate(self) -> None:
         super().validate()
-        self.check_range("window", lo=0)
-        self.check_range("min_samples", lo=1)
         if self.window and self.window < self.min_samples:
             self.fail("window", f"must be 0 or >= min_samples ({self.min_samples}), got {self.window}")
-        self.check_range("agree_frac", lo=0.0, hi=1.0, lo_open=True)
-        self.check_range("hard_max_pass_rate", lo=0.0, hi=1.0)
-        self.check_range("min_source_pass_rate", lo=0.0, hi=1.0)
-        self.check_range("suspect_max_pass_rate", lo=0.0, hi=1.0)
-        self.check_range("source_window", lo=1)
-        self.check_range("hard_examples", lo=0)
-        self.check_range("points_max", lo=0)
-        self.check_range("write_every", lo=1)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_rl.config.base import ConfigBase
+from megatron_rl.config.base import ConfigBase, ranged
 
 
 @dataclass(kw_only=True)
@@ -16,32 +16,28 @@ class TinySpec(ConfigBase):
     # Architecture of the written HF checkpoint: llama (character tokenizer), qwen2 or qwen3 (byte BPE).
     arch: str = "llama"
     # Width of the residual stream.
-    hidden_size: int = 128
+    hidden_size: int = ranged(128, ge=1)
     # Width of the SwiGLU MLP.
-    intermediate_size: int = 384
+    intermediate_size: int = ranged(384, ge=1)
     # Transformer layers.
-    num_layers: int = 4
+    num_layers: int = ranged(4, ge=1)
     # Attention heads (hidden_size / num_heads >= 32: vLLM-CPU's attention has no head_dim 16 kernel).
-    num_heads: int = 4
+    num_heads: int = ranged(4, ge=1)
     # Key/value heads (GQA when fewer than num_heads).
-    num_kv_heads: int = 4
+    num_kv_heads: int = ranged(4, ge=1)
     # Longest sequence the model supports (RoPE positions).
-    max_position_embeddings: int = 256
+    max_position_embeddings: int = ranged(256, ge=1)
     # Share the input embedding and output layer weights.
     tie_word_embeddings: bool = False
     # The vocabulary is padded to a multiple of this.
-    vocab_multiple: int = 8
+    vocab_multiple: int = ranged(8, ge=1)
     # Seed of the random weights; null: the run's trainer.seed.
-    seed: int | None = None
+    seed: int | None = ranged(None, ge=0)
 
     def validate(self) -> None:
         super().validate()
         if self.arch not in ("llama", "qwen2", "qwen3"):
             self.fail("arch", f"must be llama, qwen2 or qwen3, got {self.arch!r}")
-        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "max_position_embeddings", "vocab_multiple"):
-            self.check_range(name, lo=1)
-        self.check_range("seed", lo=0)
         if self.hidden_size % self.num_heads:
             self.fail("num_heads", f"must divide hidden_size={self.hidden_size}, got {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
@@ -55,32 +51,26 @@ class SyntheticConfig(ConfigBase):
     # Write RUN_DIR/data/{train,eval}.jsonl (verl format) if they do not exist yet.
     enabled: bool = False
     # Training prompts (distinct), RUN_DIR/data/train.jsonl.
-    train_size: int = 20000
+    train_size: int = ranged(20000, ge=1)
     # Problems with reference solutions for the SFT cold start, RUN_DIR/data/sft.jsonl, distinct from
     # the training prompts (0: none written; point sft.data_path at the file to use it).
-    sft_size: int = 0
+    sft_size: int = ranged(0, ge=0)
     # Held-out problems, drawn from a disjoint part of the problem space (never trained on).
-    eval_size: int = 500
+    eval_size: int = ranged(500, ge=1)
     # Operand sizes in digits.
-    min_digits: int = 2
-    max_digits: int = 3
+    min_digits: int = ranged(2, ge=1)
+    max_digits: int = ranged(3, ge=1)
     # Plant wrong labels: this share of the training prompts get a wrong ground truth (the sum plus
     # a random nonzero offset). Their ids go to RUN_DIR/data/planted.json, against which `megatron-rl
     # analyze` scores the live suspected-wrong-label list (recall, precision).
-    wrong_label_fraction: float = 0.0
+    wrong_label_fraction: float = ranged(0.0, ge=0.0, le=0.5)
     # This share of the training prompts become hard problems of a kind held out of the SFT data
     # and the rest of the task (one operand with max_digits + 1 digits; data source
     # "synthetic/addition_<max_digits+1>digit"), labelled right: they must stay off the
     # suspected-wrong-label list (listed in planted.json as "hard").
-    hard_fraction: float = 0.0
+    hard_fraction: float = ranged(0.0, ge=0.0, le=0.5)
 
     def validate(self) -> None:
         super().validate()
-        self.check_range("train_size", lo=1)
-        self.check_range("sft_size", lo=0)
-        self.check_range("eval_size", lo=1)
-        self.check_range("min_digits", lo=1)
         if self.max_digits < self.min_digits:
             self.fail("max_digits", f"must be >= min_digits ({self.min_digits}), got {self.max_digits}")
-        self.check_range("wrong_label_fraction", lo=0.0, hi=0.5)
-        self.check_range("hard_fraction", lo=0.0, hi=0.5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from megatron_rl.config.base import ConfigBase
+from megatron_rl.config.base import ConfigBase, ranged
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -13,19 +13,19 @@ class ParallelConfig(ConfigBase):
     """How the policy is split over the trainer's ranks; data parallel = world size / (TP x PP x CP)."""
 
     # Tensor-parallel size: attention heads, MLP and vocabulary split across this many ranks.
-    tensor_parallel: int = 1
+    tensor_parallel: int = ranged(1, ge=1)
     # Pipeline-parallel size: transformer layers split into this many stages.
-    pipeline_parallel: int = 1
+    pipeline_parallel: int = ranged(1, ge=1)
     # Virtual pipeline stages (model chunks) per pipeline rank for the interleaved 1F1B schedule;
     # None = plain 1F1B. Needs pipeline_parallel > 1.
-    virtual_pipeline: int | None = None
+    virtual_pipeline: int | None = ranged(None, ge=1)
     # Sequence parallelism (shards LayerNorm/dropout activations over the TP group); needs TP > 1.
     sequence_parallel: bool = False
     # Context-parallel size: every sequence is split over this many ranks (2 x CP load-balanced
     # chunks, Megatron's layout), which divides each rank's activation memory by about CP.
     # Attention over the split sequence: Transformer Engine's on GPUs (layer_spec te), ours (an
     # all-gather of K/V over the CP group) on the CPU.
-    context_parallel: int = 1
+    context_parallel: int = ranged(1, ge=1)
     # How Transformer Engine's attention exchanges K/V over the CP group: p2p (ring), all_gather,
     # a2a (heads all-to-all; needs the attention heads per TP rank divisible by CP). The CPU path
     # always all-gathers; the result is the same.
@@ -33,19 +33,13 @@ class ParallelConfig(ConfigBase):
     # Shard the optimizer state over the data-parallel ranks (Megatron's distributed optimizer).
     use_distributed_optimizer: bool = False
     # Seconds any collective may wait before the run fails with a timeout instead of hanging.
-    timeout_s: float = 600.0
+    timeout_s: float = ranged(600.0, gt=0.0)
 
     def validate(self) -> None:
         super().validate()
-        self.check_range("tensor_parallel", lo=1)
-        self.check_range("pipeline_parallel", lo=1)
-        self.check_range("context_parallel", lo=1)
-        self.check_range("timeout_s", lo=0.0, lo_open=True)
-        if self.virtual_pipeline is not None:
-            self.check_range("virtual_pipeline", lo=1)
-            if self.pipeline_parallel < 2 and self.virtual_pipeline > 1:
-                self.fail("virtual_pipeline", f"needs pipeline_parallel > 1, got pipeline_parallel="
-                          f"{self.pipeline_parallel}")
+        if self.virtual_pipeline is not None and self.pipeline_parallel < 2 and self.virtual_pipeline > 1:
+            self.fail("virtual_pipeline", f"needs pipeline_parallel > 1, got pipeline_parallel="
+                      f"{self.pipeline_parallel}")
         if self.sequence_parallel and self.tensor_parallel < 2:
             self.fail("sequence_parallel", f"needs tensor_parallel > 1, got tensor_parallel="
                       f"{self.tensor_parallel}")
@@ -66,45 +60,35 @@ class OptimConfig(ConfigBase):
     """AdamW with Megatron's gradient clipping and learning-rate schedule."""
 
     # Peak learning rate (after warm-up).
-    lr: float = 1e-6
+    lr: float = ranged(1e-6, ge=0.0)
     # Floor of the decayed learning rate.
-    min_lr: float = 0.0
+    min_lr: float = ranged(0.0, ge=0.0)
     # Decoupled (AdamW) weight decay; norms and biases are not decayed.
-    weight_decay: float = 0.0
+    weight_decay: float = ranged(0.0, ge=0.0)
     # Adam beta1.
-    adam_beta1: float = 0.9
+    adam_beta1: float = ranged(0.9, ge=0.0, le=1.0)
     # Adam beta2.
-    adam_beta2: float = 0.999
+    adam_beta2: float = ranged(0.999, ge=0.0, le=1.0)
     # Adam epsilon.
-    adam_eps: float = 1e-8
+    adam_eps: float = ranged(1e-8, gt=0.0)
     # Clip the global gradient norm to this value; 0 disables clipping.
-    clip_grad: float = 1.0
+    clip_grad: float = ranged(1.0, ge=0.0)
     # Optimizer steps of linear warm-up from 0 to lr.
-    lr_warmup_steps: int = 0
+    lr_warmup_steps: int = ranged(0, ge=0)
     # Shape of the decay after warm-up.
     lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
     # Optimizer steps over which lr decays to min_lr (after which it stays there); None = constant
     # style only.
-    lr_decay_steps: int | None = None
+    lr_decay_steps: int | None = ranged(None, ge=1)
 
     def validate(self) -> None:
         super().validate()
-        self.check_range("lr", lo=0.0)
-        self.check_range("min_lr", lo=0.0)
         if self.min_lr > self.lr:
             self.fail("min_lr", f"must be <= lr ({self.lr}), got {self.min_lr}")
-        self.check_range("weight_decay", lo=0.0)
-        self.check_range("adam_beta1", lo=0.0, hi=1.0)
-        self.check_range("adam_beta2", lo=0.0, hi=1.0)
-        self.check_range("adam_eps", lo=0.0, lo_open=True)
-        self.check_range("clip_grad", lo=0.0)
-        self.check_range("lr_warmup_steps", lo=0)
-        self.check_range("lr_decay_steps", lo=1)
         if self.lr_decay_style != "constant":
             if self.lr_decay_steps is None:
                 self.fail("lr_decay_steps", f"is required with lr_decay_style="
                           f"{self.lr_decay_style!r}")
-            self.check_range("lr_decay_steps", lo=1)
             if self.lr_decay_steps <= self.lr_warmup_steps:
                 self.fail("lr_decay_steps", f"must be > lr_warmup_steps ({self.lr_warmup_steps}), "
                           f"got {self.lr_decay_steps}")
@@ -125,14 +109,13 @@ class RecomputeConfig(ConfigBase):
     # the first `num_layers` layers of each pipeline stage are recomputed, the rest keep theirs.
     method: Literal["uniform", "block"] = "uniform"
     # full only: layers per unit (uniform) or recomputed layers per pipeline stage (block).
-    num_layers: int = 1
+    num_layers: int = ranged(1, ge=1)
     # selective only: core_attn (the attention scores; pointless with fused attention, which keeps
     # none), mlp (the dense MLP), layernorm (the norms; needs the Transformer Engine spec).
     modules: list[str] = dataclasses.field(default_factory=lambda: ["core_attn"])
 
     def validate(self) -> None:
         super().validate()
-        self.check_range("num_layers", lo=1)
         bad = [m for m in self.modules if m not in RECOMPUTE_MODULES]
         if bad:
             self.fail("modules", f"unknown module(s) {bad}; known: {list(RECOMPUTE_MODULES)}")
@@ -175,7 +158,7 @@ class PolicyConfig(ConfigBase):
     # Token budget of one micro-batch per rank (padded size: sequences x longest sequence, divided
     # by context_parallel); sequences are bin-packed under it, a longer one gets a micro-batch of
     # its own.
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: int = ranged(8192, ge=1)
     # Megatron layer spec: te (Transformer Engine: fused norm + linear, fused/flash attention,
     # context parallelism on GPUs; needs CUDA and transformer-engine), local (Megatron-Core's own
     # layers with our attention on torch's scaled_dot_product_attention), auto (te where it can
@@ -186,11 +169,6 @@ class PolicyConfig(ConfigBase):
     # Parameter dtype; bf16 keeps fp32 master weights in the optimizer.
     params_dtype: Literal["fp32", "bf16"] = "fp32"
     # Seed of Megatron's model-parallel RNG (dropout, initialisation of anything not loaded).
-    seed: int = 1234
+    seed: int = ranged(1234, ge=0)
     # The reference policy (used only when algo.kl.enabled).
     reference: ReferenceConfig = dataclasses.field(default_factory=ReferenceConfig)
-
-    def validate(self) -> None:
-        super().validate()
-        self.check_range("micro_batch_tokens", lo=1)
-        self.check_range("seed", lo=0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar, Literal
 
-from megatron_rl.config.base import ConfigBase
+from megatron_rl.config.base import ConfigBase, ranged
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -15,14 +15,9 @@ class LogprobOpsConfig(ConfigBase):
     # "auto": Triton on CUDA (when importable), the PyTorch chunked path elsewhere.
     backend: Literal["auto", "torch", "triton"] = "auto"
     # Tokens per tile; None picks the back-end's default for the device.
-    chunk_tokens: int | None = None
+    chunk_tokens: int | None = ranged(None, ge=1)
     # Vocabulary rows per tile; None picks the back-end's default for the device.
-    chunk_vocab: int | None = None
-
-    def validate(self) -> None:
-        super().validate()
-        self.check_range("chunk_tokens", lo=1)
-        self.check_range("chunk_vocab", lo=1)
+    chunk_vocab: int | None = ranged(None, ge=1)
 
     def op_kwargs(self) -> dict:
         """Keyword arguments for :func:`megatron_rl.ops.fused_logprob_entropy`."""

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_rl.config.base import ConfigBase
+from megatron_rl.config.base import ConfigBase, ranged
 
 
 @dataclass(kw_only=True)
 class MathConfig(ConfigBase):
     # Hard wall-clock limit per response (seconds): past it the worker is killed, respawned, and the
     # response scores a counted zero (reward/timeouts).
-    timeout_s: float = 10.0
+    timeout_s: float = ranged(10.0, gt=0.0)
     # math-verify's own SIGALRM timeouts (whole seconds) for parsing and for comparing; they catch
     # slow sympy code, the hard timeout above catches what SIGALRM cannot (a big-int power in C).
-    parse_timeout_s: int = 3
-    verify_timeout_s: int = 5
+    parse_timeout_s: int = ranged(3, ge=1)
+    verify_timeout_s: int = ranged(5, ge=1)
     # Accept "96%" for a ground truth "96" (and the reverse) when the numbers are equal.
     percent_equivalence: bool = True
     # Accept pi (or a Chinese "圆周率") for a decimal ground truth that rounds pi at its own
@@ -25,30 +25,24 @@ class MathConfig(ConfigBase):
     # Fall back to the last number in the response when it has no \boxed{} answer.
     fallback_last_number: bool = False
 
-    def validate(self) -> None:
-        super().validate()
-        self.check_range("timeout_s", lo=0.0, lo_open=True)
-        self.check_range("parse_timeout_s", lo=1)
-        self.check_range("verify_timeout_s", lo=1)
-
 
 @dataclass(kw_only=True)
 class SandboxConfig(ConfigBase):
     # Wall-clock limit of one program run (seconds); the whole process tree is killed past it.
-    timeout_s: float = 5.0
+    timeout_s: float = ranged(5.0, gt=0.0)
     # CPU seconds per process (RLIMIT_CPU).
-    cpu_s: int = 5
+    cpu_s: int = ranged(5, ge=1)
     # Address space per process in MiB (RLIMIT_AS).
-    memory_mb: int = 512
+    memory_mb: int = ranged(512, ge=1)
     # Processes the program may have at once (RLIMIT_NPROC, enforced under a private uid).
-    max_procs: int = 8
+    max_procs: int = ranged(8, ge=1)
     # Largest file the program may write, in MiB (RLIMIT_FSIZE; also bounds its captured output).
-    file_size_mb: int = 16
+    file_size_mb: int = ranged(16, ge=1)
     # MiB the program may store in its private /tmp (which holds its working directory) and in its
     # private /dev/shm (tmpfs, so RAM; with bubblewrap only: without it only file_size_mb applies).
-    disk_mb: int = 64
+    disk_mb: int = ranged(64, ge=1)
     # Bytes of stdout/stderr kept for scoring.
-    max_output_bytes: int = 1 << 20
+    max_output_bytes: int = ranged(1 << 20, ge=1)
     # Interpreter that runs the programs; "" finds python3 on /usr/local/bin:/usr/bin:/bin. The program
     # sees it (its prefixes and sys.path, read-only) and nothing else of the host; it must be readable
     # by other users (a venv under /root is not).
@@ -59,19 +53,10 @@ class SandboxConfig(ConfigBase):
     require_isolation: bool = True
     # When running as root, programs run under a private uid drawn from
     # [uid_base, uid_base + uid_span), so RLIMIT_NPROC counts only that run's processes.
-    uid_base: int = 200_000
-    uid_span: int = 100_000
+    uid_base: int = ranged(200_000, ge=1000)
+    uid_span: int = ranged(100_000, ge=1)
     # Parent directory of the per-run working directories ("" = the system temp dir).
     work_root: str = ""
-
-    def validate(self) -> None:
-        super().validate()
-        for name in ("timeout_s",):
-            self.check_range(name, lo=0.0, lo_open=True)
-        for name in ("cpu_s", "memory_mb", "max_procs", "file_size_mb", "disk_mb",
-                     "max_output_bytes", "uid_span"):
-            self.check_range(name, lo=1)
-        self.check_range("uid_base", lo=1000)
 
 
 @dataclass(kw_only=True)
@@ -79,19 +64,17 @@ class CodeConfig(ConfigBase):
     # "pass_rate": fraction of test cases passed; "all_pass": 1 only when every case passes.
     mode: str = "pass_rate"
     # Hard wall-clock limit for all test cases of one response; past it the pool worker is killed.
-    timeout_s: float = 60.0
+    timeout_s: float = ranged(60.0, gt=0.0)
     # Stop at the first failing case (only meaningful with mode "all_pass").
     stop_on_first_failure: bool = True
     # At most this many test cases run per response (the rest are skipped and count as failed).
-    max_cases: int = 64
+    max_cases: int = ranged(64, ge=1)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     def validate(self) -> None:
         super().validate()
         if self.mode not in ("pass_rate", "all_pass"):
             self.fail("mode", f"must be 'pass_rate' or 'all_pass', got {self.mode!r}")
-        self.check_range("timeout_s", lo=0.0, lo_open=True)
-        self.check_range("max_cases", lo=1)
         if self.timeout_s <= self.sandbox.timeout_s:
             self.fail("timeout_s", f"must exceed sandbox.timeout_s ({self.sandbox.timeout_s}): it "
                                    "bounds all test cases of one response")
@@ -108,11 +91,11 @@ class JudgeConfig(ConfigBase):
     # Name of an environment variable holding the API key ("" = no Authorization header).
     api_key_env: str = ""
     # Seconds per HTTP request; a timed-out request is a counted zero (no flip in fallback mode).
-    timeout_s: float = 30.0
+    timeout_s: float = ranged(30.0, gt=0.0)
     # Concurrent requests.
-    max_concurrency: int = 8
+    max_concurrency: int = ranged(8, ge=1)
     # Tokens the judge may write.
-    max_tokens: int = 256
+    max_tokens: int = ranged(256, ge=1)
     # Styles the judge applies to (by resolved style name).
     styles: list[str] = field(default_factory=lambda: ["math"])
 
@@ -122,19 +105,16 @@ class JudgeConfig(ConfigBase):
             self.fail("mode", f"must be 'off', 'fallback' or 'main', got {self.mode!r}")
         if self.mode != "off" and not self.base_url:
             self.fail("base_url", "is required when judge.mode is not 'off'")
-        self.check_range("timeout_s", lo=0.0, lo_open=True)
-        self.check_range("max_concurrency", lo=1)
-        self.check_range("max_tokens", lo=1)
 
 
 @dataclass(kw_only=True)
 class RewardConfig(ConfigBase):
     # Processes in the verifier pool (math and code run there; exact_boxed runs in-process).
-    num_workers: int = 2
+    num_workers: int = ranged(2, ge=1)
     # Address-space limit of each pool worker in MiB (0 = none): a runaway expression fails there.
-    worker_memory_mb: int = 4096
+    worker_memory_mb: int = ranged(4096, ge=0)
     # Seconds a freshly started worker may take to import its verifiers and report ready.
-    worker_start_timeout_s: float = 120.0
+    worker_start_timeout_s: float = ranged(120.0, gt=0.0)
     # Map a data style or data_source to a registered style, e.g. {"rule": "math",
     # "codecontests": "code"}. The item's style is looked up first, then its data_source.
     style_map: dict[str, str] = field(default_factory=dict)
@@ -143,9 +123,3 @@ class RewardConfig(ConfigBase):
     math: MathConfig = field(default_factory=MathConfig)
     code: CodeConfig = field(default_factory=CodeConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
-
-    def validate(self) -> None:
-        super().validate()
-        self.check_range("num_workers", lo=1)
-        self.check_range("worker_memory_mb", lo=0)
-        self.check_range("worker_start_timeout_s", lo=0.0, lo_open=True)

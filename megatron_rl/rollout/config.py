@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_rl.config.base import ConfigBase
+from megatron_rl.config.base import ConfigBase, ranged
 
 ENGINES = ("vllm", "vllm_server")
 PLACEMENTS = ("colocated", "dedicated", "external")
@@ -19,7 +19,7 @@ class AsyncConfig(ConfigBase):
     # How many weight versions older than the trainer's a sample trained on may be (a sample's
     # version is that of its oldest token). 0: today's loop exactly (generate, train, sync, in turn).
     # 1: one-step-off: step k+1's rollouts are generated while step k trains. Higher values allowed.
-    max_staleness: int = 0
+    max_staleness: int = ranged(0, ge=0)
     # At a weight update, requests in flight are frozen, the new weights loaded and generation
     # resumed (servers: /pause?mode=keep, load, /resume; in-process: between two engine steps; their
     # KV is recomputed with the new weights); each response records the version of each of its
@@ -29,14 +29,14 @@ class AsyncConfig(ConfigBase):
     # first groups to finish, the others keep generating for later steps, and a group older than
     # max_staleness is dropped (and counted); leftovers that cannot be trained on in time are
     # aborted (servers: /abort_requests). Cuts the long tail.
-    oversample: float = 0.0
+    oversample: float = ranged(0.0, ge=0.0)
     # DAPO dynamic sampling: keep drawing prompts until the step has rollout_batch_size groups with
     # reward variance (zero-variance groups are generated, counted and dropped). Needs
     # algo.filter_zero_variance_groups.
     dynamic_sampling: bool = False
     # Cap of dynamic sampling: at most this many times rollout_batch_size prompts are drawn for one
     # step; a step that reaches it trains on the groups it has.
-    max_draw_factor: float = 3.0
+    max_draw_factor: float = ranged(3.0, ge=1.0)
 
     @property
     def enabled(self) -> bool:
@@ -50,9 +50,6 @@ class AsyncConfig(ConfigBase):
 
     def validate(self) -> None:
         super().validate()
-        self.check_range("max_staleness", lo=0)
-        self.check_range("oversample", lo=0.0)
-        self.check_range("max_draw_factor", lo=1.0)
         if self.partial_rollout and self.max_staleness < 1:
             self.fail("partial_rollout", "needs max_staleness >= 1 (a response sampled across a weight "
                                          "update is one version old when it is trained on)")
@@ -71,9 +68,9 @@ class RolloutConfig(ConfigBase):
     # vllm_server: data-parallel engines the trainer waits for (all nodes together); each is one
     # vLLM server with vLLM TP = ``tensor_parallel_size``. 0: every node's ``engines_per_node``
     # (colocated: the trainer's nodes; dedicated: ``hosts``).
-    num_engines: int = 1
+    num_engines: int = ranged(1, ge=0)
     # vllm_server (colocated / dedicated): engines each node's launcher starts.
-    engines_per_node: int = 1
+    engines_per_node: int = ranged(1, ge=1)
     # vllm_server, external: base URLs of the servers (e.g. ["http://10.0.0.5:8000"]).
     server_urls: list[str] = field(default_factory=list)
     # vllm_server, dedicated: the hosts that run engines (set by the sbatch scripts); the trainer
@@ -83,44 +80,44 @@ class RolloutConfig(ConfigBase):
     # RUN_DIR/engines.
     registry_dir: str = ""
     # vllm_server: seconds to wait for the engines to register and answer /health at start-up.
-    start_timeout_s: float = 900.0
+    start_timeout_s: float = ranged(900.0, gt=0.0)
     # vllm_server: seconds a control call (/health, /pause, /reset_prefix_cache, ...) may take.
-    control_timeout_s: float = 30.0
+    control_timeout_s: float = ranged(30.0, gt=0.0)
     # vllm_server: sequences one engine is given at a time (requests wait for the least loaded
     # engine beyond that, so a slow engine gets fewer); 0: ``max_num_seqs``.
-    max_inflight_seqs: int = 0
+    max_inflight_seqs: int = ranged(0, ge=0)
     # Prompts per step (the seed's rollout batch size).
-    rollout_batch_size: int = 64
+    rollout_batch_size: int = ranged(64, ge=1)
     # Responses sampled per prompt (the GRPO group size).
-    group_size: int = 8
+    group_size: int = ranged(8, ge=1)
     # Sampling temperature; log-probs for the ratio are recomputed at this same temperature.
-    temperature: float = 1.0
+    temperature: float = ranged(1.0, gt=0.0)
     # Nucleus sampling; the recomputed log-probs honour it through vLLM's processed log-probs.
-    top_p: float = 1.0
+    top_p: float = ranged(1.0, gt=0.0, le=1.0)
     # -1 disables top-k.
-    top_k: int = -1
+    top_k: int = ranged(-1, ge=1, also=(-1,))
     # Maximum response length in tokens; each stage overrides it (8k -> 16k -> 32k in the recipe).
-    max_response_len: int = 64
+    max_response_len: int = ranged(64, ge=1)
     # Maximum prompt length in tokens (longer prompts are filtered by the data loader).
-    max_prompt_len: int = 64
+    max_prompt_len: int = ranged(64, ge=1)
     # vLLM: dtype of the engine weights ("float32" on CPU; "bfloat16" on GPUs).
     dtype: str = "float32"
     # vLLM: bytes of KV cache (CPU needs an explicit size); 0 lets vLLM decide (GPU).
-    kv_cache_bytes: int = 256 * 1024 * 1024
+    kv_cache_bytes: int = ranged(256 * 1024 * 1024, ge=0)
     # vLLM: gpu_memory_utilization (GPU only).
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = ranged(0.5, gt=0.0, le=1.0)
     # vLLM tensor parallel size per engine.
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = ranged(1, ge=1)
     # vLLM: run without CUDA graphs / compilation (required on CPU, faster start).
     enforce_eager: bool = True
     # vLLM: maximum sequences batched together.
-    max_num_seqs: int = 256
+    max_num_seqs: int = ranged(256, ge=1)
     # Seconds one generation request (or, in-process, one generate call) may take before its engine
     # is treated as hung; a server that does not answer in time is marked down and its requests go
     # to the other engines.
-    timeout_s: float = 600.0
+    timeout_s: float = ranged(600.0, gt=0.0)
     # Greedy evaluation: how many tokens the evaluation may generate (defaults to max_response_len).
-    eval_max_tokens: int | None = None
+    eval_max_tokens: int | None = ranged(None, ge=1)
     # Asynchronous GRPO and DAPO dynamic sampling: how far generation may run ahead of training.
     async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
 
@@ -142,22 +139,8 @@ class RolloutConfig(ConfigBase):
             if self.num_engines not in (0, 1, len(self.server_urls)):
                 self.fail("num_engines", f"is {self.num_engines} but server_urls lists "
                                          f"{len(self.server_urls)} servers")
-        self.check_range("num_engines", lo=0)
         if self.num_engines == 0 and not (self.engine == "vllm_server" and self.placement != "external"):
             self.fail("num_engines", "0 (every node's engines) needs engine='vllm_server' launched per node")
-        for name in ("engines_per_node", "rollout_batch_size", "group_size",
-                     "max_response_len", "max_prompt_len", "tensor_parallel_size", "max_num_seqs"):
-            self.check_range(name, lo=1)
-        self.check_range("max_inflight_seqs", lo=0)
-        self.check_range("temperature", lo=0.0, lo_open=True)
-        self.check_range("top_p", lo=0.0, hi=1.0, lo_open=True)
-        if self.top_k == 0 or self.top_k < -1:
-            self.fail("top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
-        for name in ("timeout_s", "start_timeout_s", "control_timeout_s"):
-            self.check_range(name, lo=0.0, lo_open=True)
-        self.check_range("kv_cache_bytes", lo=0)
-        self.check_range("gpu_memory_utilization", lo=0.0, hi=1.0, lo_open=True)
-        self.check_range("eval_max_tokens", lo=1)
 
     def expected_engines(self) -> int:
         """How many engines the trainer waits for."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_rl.config.base import ConfigBase
+from megatron_rl.config.base import ConfigBase, ranged
 from megatron_rl.sync.registry import TRANSPORTS
 
 
@@ -20,10 +20,10 @@ class SyncConfig(ConfigBase):
     # Size of one packed bucket in bytes. Tensors are packed per dtype into buckets of this size; a
     # tensor larger than a bucket travels alone. Anchors: slime 512 MiB, verl 2 GiB; on CPU (gloo)
     # 16-64 MiB pipelines better (benchmarks/RESULTS.md).
-    bucket_bytes: int = 512 * 1024 * 1024
+    bucket_bytes: int = ranged(512 * 1024 * 1024, ge=1024)
     # Upper bound in seconds on every wait of a sync (group formation, each collective, each engine
     # reply). An engine that dies or hangs makes the sender give up on it within about this time.
-    timeout_s: float = 120.0
+    timeout_s: float = ranged(120.0, gt=0.0)
     # Verify every sync: what each engine received (one checksum per packed bucket compared with
     # the sender's, gloo), the version it reports, and what it computes (probe_tolerance); an
     # engine that fails holds an unknown version and serves nothing until a later sync succeeds.
@@ -32,23 +32,17 @@ class SyncConfig(ConfigBase):
     # those log-probs with its own; a mean absolute gap above this fails the sync on that engine
     # (catches a stale copy, cache or missing tensor that checksums cannot see). null: 1e-4 for
     # float32 engines, 3e-2 for half precision (rollout.dtype).
-    probe_tolerance: float | None = None
+    probe_tolerance: float | None = ranged(None, gt=0.0)
     # Host the sender's rendezvous store binds to; engines connect to it (must be reachable from
     # every engine: the sbatch scripts set the trainer's first host).
     master_addr: str = "127.0.0.1"
     # When a sync leaves some reachable engine without the new weights (another engine died
     # mid-transfer, a checksum differed), sync again with a fresh export up to this many times.
-    retries: int = 1
+    retries: int = ranged(1, ge=0)
 
     def validate(self) -> None:
         super().validate()
         if self.transport not in TRANSPORTS:
             self.fail("transport", f"must be one of {sorted(TRANSPORTS)}, got {self.transport!r}")
-        if self.bucket_bytes < 1024:
-            self.fail("bucket_bytes", f"must be >= 1024 bytes, got {self.bucket_bytes!r}")
-        self.check_range("timeout_s", lo=0.0, lo_open=True)
-        self.check_range("retries", lo=0)
-        if self.probe_tolerance is not None:
-            self.check_range("probe_tolerance", lo=0.0, lo_open=True)
         if not self.master_addr:
             self.fail("master_addr", "must be a host name or address")

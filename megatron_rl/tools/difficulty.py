@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatron_rl.config.base import ConfigBase
+from megatron_rl.config.base import ConfigBase, ranged
 from megatron_rl.data.config import DataConfig
 from megatron_rl.data.dataset import DataError, PromptRecord, load_prompts, read_rows
 from megatron_rl.data.labels import DifficultyLabel, canonical_answer, label_prompt  # noqa: F401  (re-exported)
@@ -34,44 +34,30 @@ log = logging.getLogger(__name__)
 @dataclass(kw_only=True)
 class DifficultyConfig(ConfigBase):
     # Responses sampled per prompt.
-    k: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    k: int = ranged(8, ge=1)
+    temperature: float = ranged(1.0, gt=0.0)
+    top_p: float = ranged(1.0, gt=0.0, le=1.0)
+    top_k: int = ranged(-1, ge=1, also=(-1,))
     # Maximum response length in tokens.
-    max_tokens: int = 1024
-    seed: int = 0
+    max_tokens: int = ranged(1024, ge=1)
+    seed: int = ranged(0, ge=0)
     # Prompts per engine call.
-    batch_prompts: int = 64
+    batch_prompts: int = ranged(64, ge=1)
     # A response counts as right when its reward is at least this.
-    correct_reward: float = 1.0
+    correct_reward: float = ranged(1.0)
     # Pass rates in (0, hard_max_pass_rate] are "hard" (unless the wrong answers agree).
-    hard_max_pass_rate: float = 0.25
+    hard_max_pass_rate: float = ranged(0.25, ge=0.0, le=1.0)
     # Share of all k samples that must give the same wrong answer to suspect the label.
-    agree_frac: float = 0.5
+    agree_frac: float = ranged(0.5, gt=0.0, le=1.0)
     # Suspect a label only where the policy's pass rate on the prompt's data source (over the whole
     # dataset) is at least this: a policy that fails at a kind of problem is confidently wrong on
     # it as often as a label is wrong (0: no such check).
-    min_source_pass_rate: float = 0.0
+    min_source_pass_rate: float = ranged(0.0, ge=0.0, le=1.0)
     # Suspected wrong labels listed in the summary for review (most confident first).
-    summary_examples: int = 50
+    summary_examples: int = ranged(50, ge=0)
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-
-    def validate(self) -> None:
-        super().validate()
-        for name in ("k", "max_tokens", "batch_prompts"):
-            self.check_range(name, lo=1)
-        self.check_range("temperature", lo=0.0, lo_open=True)
-        self.check_range("top_p", lo=0.0, hi=1.0, lo_open=True)
-        if self.top_k == 0 or self.top_k < -1:
-            self.fail("top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
-        self.check_range("seed", lo=0)
-        self.check_range("summary_examples", lo=0)
-        self.check_range("hard_max_pass_rate", lo=0.0, hi=1.0)
-        self.check_range("agree_frac", lo=0.0, hi=1.0, lo_open=True)
-        self.check_range("min_source_pass_rate", lo=0.0, hi=1.0)
 
 
 def annotate(engine, records: list[PromptRecord], reward_mgr, cfg: DifficultyConfig

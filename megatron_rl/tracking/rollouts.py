@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from megatron_rl.config.base import ConfigBase
+from megatron_rl.config.base import ConfigBase, ranged
 
 log = logging.getLogger("megatron_rl")
 
@@ -73,19 +73,13 @@ class RolloutDumpConfig(ConfigBase):
     enabled: bool = True
     # Share of the prompts whose groups are dumped, picked by a hash of the prompt id (the same
     # prompts every step, so their pass-rate trajectories are whole).
-    sample_rate: float = 1.0
+    sample_rate: float = ranged(1.0, gt=0.0, le=1.0)
     # Stop dumping once RUN_DIR/rollouts/ holds this many GiB (0: no cap).
-    max_gb: float = 20.0
+    max_gb: float = ranged(20.0, ge=0.0)
     # Dump prompt and response token ids (the largest columns; the texts are always dumped).
     token_ids: bool = True
     # Samples per step also logged to W&B as a table (0: none).
-    wandb_samples: int = 4
-
-    def validate(self) -> None:
-        super().validate()
-        self.check_range("sample_rate", lo=0.0, hi=1.0, lo_open=True)
-        self.check_range("max_gb", lo=0.0)
-        self.check_range("wandb_samples", lo=0)
+    wandb_samples: int = ranged(4, ge=0)
 
 
 def keep_prompt(uid: str, sample_rate: float) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_rl.config.base import ConfigBase
+from megatron_rl.config.base import ConfigBase, ranged
 
 DEFAULT_RUN_DIR = "runs/default"
 
@@ -13,13 +13,8 @@ DEFAULT_RUN_DIR = "runs/default"
 class PlateauConfig(ConfigBase):
     # Stop the stage early when validation accuracy has not improved by more than ``min_delta`` for
     # ``patience`` consecutive evaluations. 0 disables the rule (the stage runs max_steps).
-    patience: int = 0
-    min_delta: float = 0.0
-
-    def validate(self) -> None:
-        super().validate()
-        self.check_range("patience", lo=0)
-        self.check_range("min_delta", lo=0.0)
+    patience: int = ranged(0, ge=0)
+    min_delta: float = ranged(0.0, ge=0.0)
 
 
 @dataclass(kw_only=True)
@@ -29,21 +24,18 @@ class StageConfig(ConfigBase):
     # Stage name; its directory under the run dir is named after it.
     name: str
     # Maximum response length in tokens during this stage (overrides rollout.max_response_len).
-    max_response_len: int
+    max_response_len: int = ranged(ge=1)
     # GRPO steps in this stage (the step budget).
-    max_steps: int
+    max_steps: int = ranged(ge=1)
     # Optional early end on a validation-accuracy plateau.
     plateau: PlateauConfig = field(default_factory=PlateauConfig)
     # Optional learning-rate override for this stage.
-    lr: float | None = None
+    lr: float | None = ranged(None, ge=0.0)
 
     def validate(self) -> None:
         super().validate()
         if not self.name or "/" in self.name:
             self.fail("name", f"must be a non-empty name without '/', got {self.name!r}")
-        self.check_range("max_response_len", lo=1)
-        self.check_range("max_steps", lo=1)
-        self.check_range("lr", lo=0.0)
 
 
 @dataclass(kw_only=True)
@@ -56,35 +48,26 @@ class SFTConfig(ConfigBase):
     # (A real recipe's cold-start data is its own set; the demo keeps its RL prompts out of it.)
     data_path: str = ""
     # Upper bound on SFT optimizer steps.
-    max_steps: int = 2000
+    max_steps: int = ranged(2000, ge=1)
     # Sequences per SFT step.
-    batch_size: int = 64
-    lr: float = 1e-3
+    batch_size: int = ranged(64, ge=1)
+    lr: float = ranged(1e-3, gt=0.0)
     # Lower the lr by this factor once held-out accuracy reaches ``slow_down_at`` (slows the jump).
-    slow_down_factor: float = 0.3
-    slow_down_at: float = 0.1
+    slow_down_factor: float = ranged(0.3, gt=0.0, le=1.0)
+    slow_down_at: float = ranged(0.1, ge=0.0, le=1.0)
     # Evaluate greedy held-out accuracy every this many steps ...
-    eval_every: int = 25
+    eval_every: int = ranged(25, ge=1)
     # ... on this many held-out problems (a subset of the evaluation set, for speed) ...
-    eval_size: int = 200
+    eval_size: int = ranged(200, ge=1)
     # ... and stop once it reaches this accuracy (the cold start should leave room for RL).
-    stop_accuracy: float = 0.25
+    stop_accuracy: float = ranged(0.25, ge=0.0, le=1.0)
     # Wall-clock cap in seconds (0: none). The threshold, not the clock, is the intended stop.
-    max_seconds: float = 0.0
+    max_seconds: float = ranged(0.0, ge=0.0)
     # Control experiment after the GRPO stages: from the cold start's checkpoint, train SFT for as
     # long as the GRPO stages took, and report its held-out accuracy beside GRPO's (summary.json
     # "control"): how much of the gain RL itself adds.
     control: bool = False
 
-    def validate(self) -> None:
-        super().validate()
-        for name in ("max_steps", "batch_size", "eval_every", "eval_size"):
-            self.check_range(name, lo=1)
-        self.check_range("lr", lo=0.0, lo_open=True)
-        self.check_range("stop_accuracy", lo=0.0, hi=1.0)
-        self.check_range("slow_down_factor", lo=0.0, hi=1.0, lo_open=True)
-        self.check_range("slow_down_at", lo=0.0, hi=1.0)
-        self.check_range("max_seconds", lo=0.0)
 
 
 @dataclass(kw_only=True)
@@ -92,14 +75,9 @@ class EvalConfig(ConfigBase):
     # Held-out evaluation data (same format as training data); empty: no evaluation.
     path: str = ""
     # Greedy accuracy on the first ``size`` problems (0: all).
-    size: int = 0
+    size: int = ranged(0, ge=0)
     # Evaluate every this many GRPO steps (0: only at stage ends).
-    every: int = 0
-
-    def validate(self) -> None:
-        super().validate()
-        self.check_range("size", lo=0)
-        self.check_range("every", lo=0)
+    every: int = ranged(0, ge=0)
 
 
 @dataclass(kw_only=True)
@@ -107,22 +85,18 @@ class TrainerConfig(ConfigBase):
     # Run directory: metrics, checkpoints, per-stage results. Relative paths are relative to the cwd.
     run_dir: str = DEFAULT_RUN_DIR
     # Global seed (model init of the tiny demo, data order, sampling seeds).
-    seed: int = 1234
+    seed: int = ranged(1234, ge=0)
     # Save a resumable checkpoint every this many steps (0: only at stage ends and on signals).
-    save_every: int = 0
+    save_every: int = ranged(0, ge=0)
     # Keep this many newest step checkpoints per stage (stage-final checkpoints are always kept).
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = ranged(2, ge=1)
     # Start the first stage from this checkpoint directory (a stage's `final`) instead of model.path.
     init_from: str = ""
     # Stop the run with a diagnosis (outcome counts, a sample response) after this many consecutive
     # GRPO steps without an update (every group had zero reward variance); 0: never stop.
-    max_steps_without_update: int = 10
+    max_steps_without_update: int = ranged(10, ge=0)
 
     def validate(self) -> None:
         super().validate()
         if not self.run_dir.strip():
             self.fail("run_dir", "must be a directory path, got an empty string")
-        self.check_range("seed", lo=0)
-        self.check_range("save_every", lo=0)
-        self.check_range("keep_checkpoints", lo=1)
-        self.check_range("max_steps_without_update", lo=0)

@@ -1,9 +1,11 @@
 """Input errors in configs: every override mistake names the key and the command line; every
-numeric field refuses values that cannot work; the cross-component checks name their key."""
+numeric field declares the range it accepts and refuses the values outside it; the cross-component
+checks name their key."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from typing import get_args, get_origin, get_type_hints
@@ -12,7 +14,7 @@ import pytest
 import yaml
 
 from megatron_rl.config import ConfigError
-from megatron_rl.config.base import COMMAND_LINE, ConfigBase, yaml_key
+from megatron_rl.config.base import COMMAND_LINE, ConfigBase, Range, field_range, yaml_key
 from megatron_rl.config.loader import load
 from megatron_rl.tools.difficulty import DifficultyConfig
 from megatron_rl.trainer.schema import RunConfig, load_run_config
@@ -89,45 +91,18 @@ def test_not_utf8_config_file_names_the_file(tmp_path):
 
 
 # --- every numeric field refuses what cannot work ----------------------------------------------
-# Fields where 0 is a meaningful setting ("0 disables", "0 = all", a seed, a rate or weight that
-# may be zero). Everything numeric not listed must refuse 0; everything must refuse -1 except
-# NEGATIVE_OK. A new field fails this test until it has a range check or is listed here with why.
-ZERO_OK = {
-    "model.tiny.seed", "policy.seed", "trainer.seed",
-    "policy.optim.lr", "policy.optim.min_lr", "policy.optim.weight_decay", "policy.optim.adam_beta1",
-    "policy.optim.adam_beta2", "policy.optim.clip_grad", "policy.optim.lr_warmup_steps",
-    "rollout.kv_cache_bytes",  # 0: vLLM sizes the cache (GPU)
-    "rollout.async.max_staleness", "rollout.async.oversample",  # 0: the synchronous loop
-    "rollout.max_inflight_seqs",  # 0: rollout.max_num_seqs per engine
-    "sync.retries",  # 0: no second sync after a failed one
-    "algo.adv_eps", "algo.clip.eps_low", "algo.entropy.coef", "algo.entropy.target",
-    "algo.entropy.delta", "algo.entropy.coef_min", "algo.entropy.coef_max", "algo.kl.coef",
-    "algo.mismatch.icepop_low",
-    "reward.worker_memory_mb",  # 0: no limit
-    "data.max_prompt_len", "data.max_rows", "data.pass_rate_min", "data.pass_rate_max",
-    "trainer.save_every", "trainer.max_steps_without_update",  # 0: never stop
-    "sft.slow_down_at", "sft.stop_accuracy", "sft.max_seconds",
-    "eval.size", "eval.every", "stages.0.plateau.patience", "stages.0.plateau.min_delta",
-    "stages.0.lr", "algo.correct_reward", "algo.wrong_reward",
-    # tools/difficulty
-    "seed", "summary_examples", "hard_max_pass_rate", "correct_reward", "min_source_pass_rate",
-    # the live wrong-label rule: window 0 = every sample; pass rates 0 = stuck at 0 / no competence
-    # check; 0 examples / points = none drawn
-    "data.wrong_labels.window", "data.wrong_labels.hard_max_pass_rate",
-    "data.wrong_labels.suspect_max_pass_rate", "data.wrong_labels.min_source_pass_rate",
-    "data.wrong_labels.hard_examples", "data.wrong_labels.points_max",
-    "tracking.rollouts.max_gb", "tracking.rollouts.wandb_samples",  # 0: no cap, no W&B table
-    "synthetic.sft_size", "synthetic.wrong_label_fraction", "synthetic.hard_fraction",  # 0: none
-}
-# Rewards may be any number (wrong < correct is checked); top_k = -1 disables top-k.
-NEGATIVE_OK = {"algo.correct_reward", "algo.wrong_reward", "rollout.top_k", "top_k", "correct_reward"}
-
-
+# Each numeric field declares the values it accepts where it is declared (``ranged(8, ge=1)``, a
+# ``Range``): validation checks that declaration, and this test reads it. A new numeric field fails
+# here until it declares its range (``ranged(x)`` with no bound says "any number").
 def _numeric(tp) -> bool:
     if get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
         return len(args) == 1 and _numeric(args[0])
     return tp in (int, float)
+
+
+def _is_int(tp) -> bool:
+    return tp is int or int in get_args(tp)
 
 
 def _config_class(tp):
@@ -140,39 +115,95 @@ def _config_class(tp):
     return None
 
 
-def numeric_keys(cls, prefix="") -> list[str]:
-    """Dotted keys of every int / float field under ``cls`` (list entries as ``.0.``)."""
-    keys = []
+def numeric_fields(cls, prefix="") -> dict[str, tuple[Range | None, bool]]:
+    """Dotted key (list entries as ``.0.``) -> (declared range, is an int) of every int / float
+    field under ``cls``."""
+    out = {}
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp, key = hints[f.name], f"{prefix}{yaml_key(f)}"
         sub = _config_class(tp)
         if sub is not None:
-            keys += numeric_keys(sub, key + (".0." if get_origin(tp) is list else "."))
+            out.update(numeric_fields(sub, key + (".0." if get_origin(tp) is list else ".")))
         elif _numeric(tp):
-            keys.append(key)
-    return keys
+            out[key] = (field_range(f), _is_int(tp))
+    return out
+
+
+def outside(bounds: Range, is_int: bool) -> list:
+    """Values just outside the declared range, and 0 and -1 where the range leaves them out."""
+    step = 1 if is_int else 0.5
+    probes = {0, -1}
+    if bounds.ge is not None:
+        probes.add(bounds.ge - step)
+    if bounds.gt is not None:
+        probes.add(bounds.gt)
+    if bounds.le is not None:
+        probes.add(bounds.le + step)
+    if bounds.lt is not None:
+        probes.add(bounds.lt)
+    return sorted(v for v in probes if v not in bounds and (not is_int or float(v).is_integer()))
+
+
+def inside_edges(bounds: Range) -> list:
+    """The declared range's closed ends and its single extra values."""
+    return [v for v in (bounds.ge, bounds.le, *bounds.also) if v is not None]
 
 
 ROOTS = {"run": (RunConfig, lambda p, o: load_run_config(p, o)),
          "difficulty": (DifficultyConfig, lambda p, o: load(DifficultyConfig, None, o))}
-CASES = [(root, key, value) for root, (cls, _) in ROOTS.items() for key in numeric_keys(cls)
-         for value in (0, -1)
-         if not (value == 0 and key in ZERO_OK) and not (value == -1 and key in NEGATIVE_OK)]
+FIELDS = {(root, key): spec for root, (cls, _) in ROOTS.items()
+          for key, spec in numeric_fields(cls).items()}
+CASES = [(root, key, value) for (root, key), (bounds, is_int) in FIELDS.items() if bounds is not None
+         for value in outside(bounds, is_int)]
+EDGES = [(root, key, value) for (root, key), (bounds, _) in FIELDS.items() if bounds is not None
+         for value in inside_edges(bounds)]
 
 
-def test_the_walk_finds_the_fields():
-    keys = numeric_keys(RunConfig)
+def test_every_numeric_field_declares_its_range():
+    keys = {key for _, key in FIELDS}
     assert {"model.tiny.num_heads", "stages.0.max_steps", "reward.code.sandbox.memory_mb",
-            "rollout.group_size", "policy.parallel.tensor_parallel"} <= set(keys)
+            "rollout.group_size", "policy.parallel.tensor_parallel"} <= keys
     assert len(keys) > 80
+    undeclared = sorted(f"{root}: {key}" for (root, key), (bounds, _) in FIELDS.items() if bounds is None)
+    assert not undeclared, f"declare the accepted range with ranged(...): {undeclared}"
+    assert len(CASES) > 2 * len(keys) - 20  # most fields refuse at least two probes
 
 
 @pytest.mark.parametrize("root,key,value", CASES)
-def test_every_numeric_field_refuses_values_that_cannot_work(cfg_file, root, key, value):
+def test_every_numeric_field_refuses_values_outside_its_range(cfg_file, root, key, value):
     err = _error(cfg_file, [f"{key}={value}"], loader=ROOTS[root][1])
     assert err.key.replace("[", ".").replace("]", "") == key, str(err)
     assert "on the command line" in str(err)
+    bounds, is_int = FIELDS[root, key]
+    assert err.message == bounds.refusal(int(value) if is_int else float(value)), str(err)
+
+
+# A refusal by a bound of the field's own (``must be >= 2, got 1``), not one naming another field
+# (``must be >= eps_low (0.2), got 0.0``).
+PLAIN_RANGE = re.compile(r"must be (in [\[(][^,]+, [^\])]+[\])]|[<>]=? -?[\d.e+]+|-?\d+ or .+), got ")
+
+
+@pytest.mark.parametrize("root,key,value", EDGES)
+def test_the_ends_of_a_declared_range_pass_its_check(cfg_file, root, key, value):
+    """Validation refuses nothing inside the declaration: no stricter check of the field's own range
+    hides in a ``validate`` (another field's check may still refuse the value)."""
+    try:
+        ROOTS[root][1](cfg_file, [f"{key}={value}"])
+    except ConfigError as err:
+        own = err.key.replace("[", ".").replace("]", "") == key
+        assert not (own and PLAIN_RANGE.match(err.message)), str(err)
+
+
+def test_range_declarations():
+    assert 0 not in Range(gt=0) and 1e-9 in Range(gt=0) and 0 in Range(ge=0) and -1e-9 not in Range(ge=0)
+    assert 1 in Range(ge=0, le=1) and 1.5 not in Range(ge=0, le=1) and 1 not in Range(lt=1)
+    assert -1 in Range(ge=1, also=(-1,)) and 0 not in Range(ge=1, also=(-1,)) and -5 in Range()
+    assert [str(r) for r in (Range(ge=1), Range(gt=0.0), Range(gt=0.0, le=1.0), Range(ge=1, also=(-1,)),
+                             Range(), Range(lt=0.5))] == [">= 1", "> 0", "(0, 1]", "-1 or >= 1", "any", "< 0.5"]
+    assert Range(ge=0.0, le=1.0).refusal(2.0) == "must be in [0, 1], got 2.0"
+    with pytest.raises(TypeError):
+        Range(ge=0, gt=0)
 
 
 # --- cross-component checks ----------------------------------------------------------------------
@@ -183,6 +214,9 @@ def test_every_numeric_field_refuses_values_that_cannot_work(cfg_file, root, key
     (["trainer.run_dir=''"], "trainer.run_dir", "empty"),
     (["trainer.run_dir=' '"], "trainer.run_dir", "empty"),
     (["model.tiny.num_heads=0"], "model.tiny.num_heads", ">= 1"),
+    # in their own ranges, refused beside another field's value
+    (["rollout.num_engines=0"], "rollout.num_engines", "need engine='vllm_server'"),
+    (["algo.clip.eps_high=0"], "algo.clip.eps_high", "must be >= eps_low"),
     (["synthetic.min_digits=3", "synthetic.max_digits=2"], "synthetic.max_digits", "min_digits"),
 ])
 def test_values_that_cannot_work_together_are_refused(cfg_file, overrides, key, says):
