@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_rl.config.base import ConfigBase
+from megatron_rl.config.base import ConfigBase, ranged
 
 #: The checkout (configs/, slurm/ are found relative to it).
 HOME = Path(__file__).resolve().parent.parent
@@ -19,7 +19,7 @@ SIGNAL_LEAD_SECONDS = {1: 600, 2: 900, 3: 1200}
 class LaunchConfig(ConfigBase):
     # Which stage of the recipe: 1 (8k), 2 (16k) or 3 (32k). Picks configs/skywork_or1/<size>/stageN.yaml
     # and, unless ``stage_name`` is set, the N-th entry of that config's ``stages``.
-    stage: int
+    stage: int = ranged(ge=1, le=3)
     # Model size of the recipe configs: "7b" or "32b".
     size: str = "7b"
     # Run config; empty: configs/skywork_or1/<size>/stage<stage>.yaml. Relative paths: to the checkout.
@@ -33,13 +33,13 @@ class LaunchConfig(ConfigBase):
     # "slurm" (sbatch through NeMo-Run, pyxis container optional) or "local" (this machine).
     executor: str = "slurm"
     # Slurm: trainer nodes of the job; each runs torchrun for the trainer (and, colocated, its engines).
-    nodes: int = 1
+    nodes: int = ranged(1, ge=1)
     # Slurm: GPUs requested per node.
-    gpus_per_node: int = 8
+    gpus_per_node: int = ranged(8, ge=1)
     # Slurm: CPUs per task (one task per node); 0: the cluster's default.
-    cpus_per_task: int = 0
+    cpus_per_task: int = ranged(0, ge=0)
     # Trainer processes per node; 0: gpus_per_node for Slurm, 1 for local.
-    nproc_per_node: int = 0
+    nproc_per_node: int = ranged(0, ge=0)
     # Slurm account and partition (account is required by sbatch on most clusters).
     account: str = ""
     partition: str = ""
@@ -47,9 +47,9 @@ class LaunchConfig(ConfigBase):
     time: str = "48:00:00"
     # Slurm: seconds before the time limit at which the trainer is told to checkpoint (USR1);
     # 0: the stage's default (600 / 900 / 1200 s).
-    signal_lead_s: int = 0
+    signal_lead_s: int = ranged(0, ge=0)
     # Slurm: requeue after a checkpoint-on-signal (or a failure) at most this many times.
-    max_requeues: int = 50
+    max_requeues: int = ranged(50, ge=0)
     # Slurm: pyxis/enroot image ("" = no container) and extra mounts "src:dst".
     container_image: str = ""
     container_mounts: list[str] = field(default_factory=list)
@@ -59,7 +59,7 @@ class LaunchConfig(ConfigBase):
     venv: str = ""
     # torchrun rendezvous port on the first node; 0: 20000 + job id mod 20000 (as slurm/common.sh), so
     # two jobs sharing a node never pick the same port.
-    master_port: int = 0
+    master_port: int = ranged(0, ge=0, le=65535)
     # NEMORUN_HOME of this launch: NeMo-Run keeps each job's sbatch script and logs under
     # <job_dir>/experiments/<experiment>/<experiment id>/<stage>/; empty: $NEMORUN_HOME when set,
     # else <run_dir>/nemorun.
@@ -69,27 +69,19 @@ class LaunchConfig(ConfigBase):
     # engines: a heterogeneous Slurm job of a trainer group and an engine group).
     rollout_placement: str = "colocated"
     # Slurm, dedicated: nodes of the engine group (in addition to ``nodes`` trainer nodes).
-    rollout_nodes: int = 1
+    rollout_nodes: int = ranged(1, ge=1)
 
     def validate(self) -> None:
         super().validate()
-        if self.stage not in SIGNAL_LEAD_SECONDS:
-            self.fail("stage", f"must be 1, 2 or 3, got {self.stage!r}")
         if self.size not in ("7b", "32b"):
             self.fail("size", f"must be '7b' or '32b', got {self.size!r}")
         if self.executor not in ("slurm", "local"):
             self.fail("executor", f"must be 'slurm' or 'local', got {self.executor!r}")
-        for name in ("nodes", "gpus_per_node"):
-            self.check_range(name, lo=1)
-        for name in ("nproc_per_node", "cpus_per_task", "signal_lead_s", "max_requeues"):
-            self.check_range(name, lo=0)
-        self.check_range("master_port", lo=0, hi=65535)
         if self.rollout_placement not in ("colocated", "dedicated"):
             self.fail("rollout_placement", f"must be 'colocated' or 'dedicated', got {self.rollout_placement!r}")
         if self.rollout_placement == "dedicated":
             if self.executor != "slurm":
                 self.fail("rollout_placement", "'dedicated' puts the engines on nodes of their own: Slurm only")
-            self.check_range("rollout_nodes", lo=1)
         if self.executor == "local" and self.nodes != 1:
             self.fail("nodes", f"the local executor runs on this machine only (nodes=1), got {self.nodes}")
         for i, m in enumerate(self.container_mounts):

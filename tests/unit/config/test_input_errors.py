@@ -13,6 +13,7 @@ from typing import get_args, get_origin, get_type_hints
 import pytest
 import yaml
 
+from launch.config import LaunchConfig
 from megatron_rl.config import ConfigError
 from megatron_rl.config.base import COMMAND_LINE, ConfigBase, Range, field_range, yaml_key
 from megatron_rl.config.loader import load
@@ -151,7 +152,8 @@ def inside_edges(bounds: Range) -> list:
 
 
 ROOTS = {"run": (RunConfig, lambda p, o: load_run_config(p, o)),
-         "difficulty": (DifficultyConfig, lambda p, o: load(DifficultyConfig, None, o))}
+         "difficulty": (DifficultyConfig, lambda p, o: load(DifficultyConfig, None, o)),
+         "launch": (LaunchConfig, lambda p, o: load(LaunchConfig, None, ["stage=1", *o]))}
 FIELDS = {(root, key): spec for root, (cls, _) in ROOTS.items()
           for key, spec in numeric_fields(cls).items()}
 CASES = [(root, key, value) for (root, key), (bounds, is_int) in FIELDS.items() if bounds is not None
