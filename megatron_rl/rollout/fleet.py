@@ -5,6 +5,13 @@ outstanding work (sequences in flight) that has room (``rollout.max_inflight_seq
 and go out as engines finish, so a slow engine simply gets fewer prompts. The prompt's seed does not
 depend on which engine serves it, so the fleet samples exactly what one engine would.
 
+Tail hedging (``rollout.hedge_after``): the work a slow engine took at the start (a full room of it)
+is the step's tail. When no request waits for room, an engine with room also takes a request that
+has run elsewhere for longer than ``hedge_after`` times its own median request time; both copies
+carry the same seed, so they sample the same tokens; the first answer is taken and the other copy
+cancelled (its HTTP request is dropped, which aborts it in vLLM). Only engines holding the same
+weight version hedge each other, and none while the fleet is paused.
+
 Faults: a request that fails (the engine died, refused or cut the connection, answered an error,
 or did not answer within ``rollout.timeout_s``) marks its engine DOWN; that engine's outstanding
 requests are cancelled and re-sent to the others with the same seeds (counted in
@@ -25,7 +32,9 @@ import asyncio
 import concurrent.futures as cf
 import enum
 import logging
+import statistics
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 from megatron_rl.rollout.base import (UNKNOWN_VERSION, Completion, EngineError, PauseMode,
@@ -52,6 +61,28 @@ class _Slot:
     down: asyncio.Event | None = None
     served: int = 0       # sequences served since the last pop_metrics
     tasks: set = field(default_factory=set)
+    # seconds its recent answered requests took (what tail hedging compares against)
+    latencies: deque = field(default_factory=lambda: deque(maxlen=32))
+
+    def typical(self) -> float | None:
+        """Median time of its recent answered requests (None before the first)."""
+        return statistics.median(self.latencies) if self.latencies else None
+
+    def has_room(self, n: int, capacity: int) -> bool:
+        return self.outstanding == 0 or self.outstanding + n <= capacity
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One prompt's request and the copies of it in flight (more than one when hedged)."""
+
+    prompt_ids: list[int]
+    sampling: SamplingSpec
+    request_id: str | None
+    changed: asyncio.Event
+    copies: dict = field(default_factory=dict)  # copy task -> the slot serving it
+    primary: _Slot | None = None                # the slot the request was dispatched to
+    started: float = 0.0                        # loop time the primary copy was sent
 
 
 class EngineFleet(RolloutEngine):
@@ -69,12 +100,17 @@ class EngineFleet(RolloutEngine):
         self.cfg = cfg
         self.name = name
         self.capacity = cfg.inflight_seqs()
+        self.hedge_after = cfg.hedge_after
         self._locate = locate
         self._slots = [_Slot(e) for e in engines]
         self._lock = threading.Lock()
         self._requeued = 0
-        # request id -> [its submit task, the slot serving it (None while it waits for room)]
+        self._hedged = self._hedge_wins = 0
+        # request id -> [its submit task, its flight]
         self._requests: dict[str, list] = {}
+        self._flights: set[_Flight] = set()  # requests with a copy in flight
+        self._waiting = 0                    # requests waiting for room
+        self._hedge_timer: asyncio.TimerHandle | None = None
         self._paused = False  # between pause() and resume()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-loop", daemon=True)
@@ -192,29 +228,116 @@ class EngineFleet(RolloutEngine):
 
     async def submit(self, prompt_ids: list[int], sampling: SamplingSpec,
                      request_id: str | None = None) -> list[Completion]:
-        """One prompt to the least-loaded live engine; re-sent elsewhere if that engine fails.
-        ``request_id`` (unique among the requests in flight) lets :meth:`abort` stop it."""
+        """One prompt to the least-loaded live engine; re-sent elsewhere if that engine fails (and
+        hedged onto another one if it is slow, see the module doc). ``request_id`` (unique among the
+        requests in flight) lets :meth:`abort` stop it."""
+        flight = _Flight(list(prompt_ids), sampling, request_id, asyncio.Event())
         if request_id is not None:
             with self._lock:
-                self._requests[request_id] = [asyncio.current_task(), None]
+                self._requests[request_id] = [asyncio.current_task(), flight]
         try:
             while True:
                 slot = await self._acquire(sampling.n)
-                if request_id is not None:
-                    with self._lock:
-                        self._requests[request_id][1] = slot
+                self._launch(flight, slot)
                 try:
-                    return await self._send(slot, prompt_ids, sampling, request_id)
+                    return await self._race(flight)
                 except _Requeue as exc:
                     with self._lock:
                         self._requeued += 1
                     log.info("re-sending a request of engine %s: %s", slot.engine.name, exc)
-                finally:
-                    self._release(slot, sampling.n)
         finally:
+            self._flights.discard(flight)
+            for task in flight.copies:  # the losing copy of a hedged request, or all when aborted
+                task.cancel()
             if request_id is not None:
                 with self._lock:
                     self._requests.pop(request_id, None)
+
+    def _launch(self, flight: _Flight, slot: _Slot) -> None:
+        """Send a copy of ``flight`` to ``slot`` (its room is already taken)."""
+        if not flight.copies:
+            flight.primary, flight.started = slot, self._loop.time()
+        flight.copies[asyncio.ensure_future(self._copy(flight, slot))] = slot
+        self._flights.add(flight)
+        flight.changed.set()
+        self._hedge_soon()
+
+    async def _copy(self, flight: _Flight, slot: _Slot) -> list[Completion]:
+        t0 = self._loop.time()
+        try:
+            out = await self._send(slot, flight.prompt_ids, flight.sampling, flight.request_id)
+            slot.latencies.append(self._loop.time() - t0)
+            return out
+        finally:
+            self._release(slot, flight.sampling.n)
+
+    async def _race(self, flight: _Flight) -> list[Completion]:
+        """The first copy's answer; raises _Requeue when every copy failed."""
+        failure: _Requeue | None = None
+        while True:
+            flight.changed.clear()
+            waiter = asyncio.ensure_future(flight.changed.wait())  # a hedged copy was added
+            try:
+                done, _ = await asyncio.wait({*flight.copies, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+            for task in done:
+                if task is waiter:
+                    continue
+                slot = flight.copies.pop(task)
+                exc = task.exception()
+                if exc is None:
+                    out = task.result()
+                    slot.served += len(out)
+                    if slot is not flight.primary:
+                        with self._lock:
+                            self._hedge_wins += 1
+                    return out
+                if not isinstance(exc, _Requeue):
+                    raise exc
+                failure = exc
+            if not flight.copies:
+                self._flights.discard(flight)
+                raise failure
+
+    def _hedge_soon(self) -> None:
+        if self.hedge_after > 0:
+            self._loop.call_soon(self._hedge)
+
+    def _hedge(self) -> None:
+        """Tail hedging: while nothing waits for room, give engines with room a copy of the oldest
+        requests that ran elsewhere for longer than ``hedge_after`` x their own median request time;
+        wake up again when the next one is due."""
+        if self._hedge_timer is not None:
+            self._hedge_timer.cancel()
+            self._hedge_timer = None
+        if self._waiting or self._paused or not self._flights:
+            return
+        now, due_next = self._loop.time(), None
+        up = [s for s in self._slots if s.state is EngineState.UP and s.typical() is not None]
+        for flight in sorted(self._flights, key=lambda f: f.started):
+            if len(flight.copies) != 1:
+                continue
+            (other,) = flight.copies.values()
+            n = flight.sampling.n
+            able = [s for s in up if s is not other and s.has_room(n, self.capacity)
+                    and s.engine.weight_version == other.engine.weight_version]
+            if not able:
+                continue
+            due = {id(s): flight.started + self.hedge_after * s.typical() for s in able}
+            ready = [s for s in able if due[id(s)] <= now]
+            if not ready:
+                soonest = min(due.values())
+                due_next = soonest if due_next is None else min(due_next, soonest)
+                continue
+            slot = min(ready, key=lambda s: s.outstanding)
+            slot.outstanding += n
+            with self._lock:
+                self._hedged += 1
+            log.debug("hedging a request of engine %s on %s", other.engine.name, slot.engine.name)
+            self._launch(flight, slot)
+        if due_next is not None:
+            self._hedge_timer = self._loop.call_at(due_next, self._hedge)
 
     def abort(self, request_ids: list[str]) -> int:
         """Stop these requests (from any thread): their :meth:`submit` is cancelled, and the engines
@@ -230,10 +353,10 @@ class EngineFleet(RolloutEngine):
             if entry is None:  # finished (or never sent)
                 continue
             found += 1
-            task, slot = entry
-            task.cancel()
-            if slot is not None:
+            task, flight = entry
+            for slot in {id(s): s for s in flight.copies.values()}.values():  # each engine serving a copy
                 serving.setdefault(id(slot), (slot, []))[1].append(rid)
+            task.cancel()
         for slot, rids in serving.values():
             stop = getattr(slot.engine, "abort", None)
             if stop is None:
@@ -270,7 +393,6 @@ class EngineFleet(RolloutEngine):
         except EngineError as exc:
             self.mark_down(slot.engine, str(exc))
             raise _Requeue(str(exc)) from exc
-        slot.served += len(out)
         return out
 
     async def _acquire(self, n: int) -> _Slot:
@@ -281,16 +403,21 @@ class EngineFleet(RolloutEngine):
                     raise EngineError("no engine is up: " + "; ".join(
                         f"{s.engine.name} {s.state.value}" + (f" ({s.reason})" if s.reason else "")
                         for s in self._slots))
-                room = [s for s in up if s.outstanding == 0 or s.outstanding + n <= self.capacity]
+                room = [s for s in up if s.has_room(n, self.capacity)]
                 if room:
                     slot = min(room, key=lambda s: s.outstanding)  # ties: the first engine
                     slot.outstanding += n
                     return slot
-                await self._changed.wait()
+                self._waiting += 1
+                try:
+                    await self._changed.wait()
+                finally:
+                    self._waiting -= 1
 
     def _release(self, slot: _Slot, n: int) -> None:
         slot.outstanding -= n
         self._notify()
+        self._hedge_soon()
 
     def _notify(self) -> None:
         async def wake():
@@ -338,6 +465,8 @@ class EngineFleet(RolloutEngine):
                 engine.resume()
             except EngineError as exc:
                 self.mark_down(engine, str(exc))
+        if self.hedge_after > 0:
+            self._loop.call_soon_threadsafe(self._hedge)
 
     def resume_paused(self, engine: RolloutEngine) -> None:
         """While the fleet is paused (partial rollouts across a weight sync): let ``engine`` run
@@ -357,12 +486,14 @@ class EngineFleet(RolloutEngine):
     def pop_metrics(self) -> dict[str, float]:
         with self._lock:
             requeued, self._requeued = self._requeued, 0
+            hedged, wins, self._hedged, self._hedge_wins = self._hedged, self._hedge_wins, 0, 0
             served = {s.engine.name: s.served for s in self._slots}
             for s in self._slots:
                 s.served = 0
         up = sum(s.state is EngineState.UP for s in self._slots)
         out = {"rollout/requeued_requests": float(requeued), "rollout/engines_up": float(up),
-               "rollout/engines_down": float(len(self._slots) - up)}
+               "rollout/engines_down": float(len(self._slots) - up),
+               "rollout/hedged_requests": float(hedged), "rollout/hedge_wins": float(wins)}
         total = sum(served.values())
         if total:  # the share of the step's sequences each engine sampled
             out["rollout/engine_share_max"] = max(served.values()) / total
@@ -371,6 +502,8 @@ class EngineFleet(RolloutEngine):
 
     def close(self) -> None:
         async def cancel_pending():
+            if self._hedge_timer is not None:
+                self._hedge_timer.cancel()
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for t in tasks:
                 t.cancel()

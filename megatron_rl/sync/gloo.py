@@ -116,6 +116,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.reloading = False
         # What the last round received (also readable through /collective_rpc, see the extension).
         self.last_round: dict = {}
+        self._reload_seconds: dict[str, float] = {}  # vLLM's layerwise reload: start, finish
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.shutdown()
@@ -128,11 +129,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        t0 = time.perf_counter()
         initialize_layerwise_reload(self.model)
         self.reloading = True
+        self._reload_seconds = {"start_seconds": time.perf_counter() - t0}
 
     def finish_weight_update(self) -> None:
+        t0 = time.perf_counter()
         self._finish_reload()
+        self.last_round["finish_seconds"] = time.perf_counter() - t0
 
     def _finish_reload(self) -> None:
         if self.reloading:
@@ -154,6 +159,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         t0 = time.perf_counter()
         sums: list[torch.Tensor] = []
         received = tensors = 0
+        wait_s = load_s = hash_s = 0.0  # blocked on the broadcast, in load_weights, hashing
         try:
             plan = list(group_by_dtype(meta_tensors(update_info.names, update_info.dtype_names,
                                                     update_info.shapes), info.bucket_bytes))
@@ -164,12 +170,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                     nxt = (plan[k], buf, broadcast(self.group, buf))
                 if pending is not None:
                     items, data, work = pending
+                    t1 = time.perf_counter()
                     work.wait()
+                    t2 = time.perf_counter()
                     if info.verify:
                         sums.append(hash_tensor(data))
+                    t3 = time.perf_counter()
                     self.model.load_weights(unpack_tensor(
                         data, [n for n, _ in items], [list(t.shape) for _, t in items],
                         [t.dtype for _, t in items], [nbytes(t) for _, t in items]))
+                    wait_s, hash_s, load_s = wait_s + t2 - t1, hash_s + t3 - t2, load_s + time.perf_counter() - t3
                     received += data.numel()
                     tensors += len(items)
                 pending = nxt if k < len(plan) else None
@@ -182,8 +192,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             self._finish_reload()
             self.shutdown()
             raise
+        # seconds: the whole receive; of it, wait: blocked on the broadcast, load: vLLM's
+        # load_weights (its layerwise reload processes each layer as it completes), hash: checksums
         self.last_round = {"buckets": len(plan), "tensors": tensors, "bytes": received,
-                           "seconds": time.perf_counter() - t0,
+                           "seconds": time.perf_counter() - t0, "wait_seconds": wait_s,
+                           "load_seconds": load_s, "hash_seconds": hash_s, **self._reload_seconds,
                            "checksums": [int(v) for v in vector.tolist()]}
 
     def shutdown(self) -> None:
@@ -213,6 +226,10 @@ class RoundReport:
     bytes: int = 0
     seconds: float = 0.0
     hash_seconds: float = 0.0
+    # seconds of the round by phase, on the sender: the start / finish routes (vLLM's layerwise
+    # reload set-up and finalisation on every engine), the broadcast of the buckets, and the wait
+    # for the update route after the last bucket (the engines loading what they received)
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
     bucket_names: list[list[str]] = dataclasses.field(default_factory=list)
     sent: list[int] = dataclasses.field(default_factory=list)
     received: dict[int, list[int]] = dataclasses.field(default_factory=dict)
@@ -272,6 +289,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         info = self.info
         t0 = time.perf_counter()
         self.client.start_weight_update()
+        t1 = time.perf_counter()
         exe = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gloo-update")
         try:
             receiving = exe.submit(self.client.update_weights, update_info(meta))
@@ -281,11 +299,15 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                     receiving.result()
 
             report = self._broadcast(checked(source, meta), check)
+            t2 = time.perf_counter()
             receiving.result(timeout=info.timeout_s)
         finally:
             exe.shutdown(wait=False)  # after a failure the receivers may still be blocked
+        t3 = time.perf_counter()
         self.client.finish_weight_update()
         report.seconds = time.perf_counter() - t0
+        report.phases = {"start": t1 - t0, "broadcast": t2 - t1, "load_tail": t3 - t2,
+                         "finish": report.seconds - (t3 - t0)}
         self.report = report
 
     def _buffer(self, slot: int) -> torch.Tensor:

@@ -222,6 +222,7 @@ class ServerWeightSync(WeightSync):
             return SyncMetrics(version=version)
         t0 = time.perf_counter()
         rejoining = self.fleet.probe()  # restarted engines: their transfer engine is new, re-form
+        phases = {"check": time.perf_counter() - t0}
         members = self.fleet.sync_targets()
         if not members:
             drain(named_tensors, version)
@@ -230,7 +231,9 @@ class ServerWeightSync(WeightSync):
         failures: dict[str, str] = {}
         try:
             if rejoining or [e.name for e in members] != self._members or self._engine is None:
+                t1 = time.perf_counter()
                 self._form(members)
+                phases["form"] = time.perf_counter() - t1
             self.source.stream = stream
             self._engine.send_weights()
         except Exception as exc:  # noqa: BLE001 - attributed to engines below
@@ -246,6 +249,7 @@ class ServerWeightSync(WeightSync):
         if report is not None:
             metrics.bytes, metrics.tensors, metrics.buckets = report.bytes, report.tensors, report.buckets
             metrics.verify_seconds = report.hash_seconds
+            phases.update(getattr(report, "phases", {}) or {})
         else:
             metrics.bytes = sum(m.dtype.itemsize * _numel(m.shape) for m in self.source.metadata())
             metrics.tensors = len(self.source.metadata())
@@ -264,11 +268,14 @@ class ServerWeightSync(WeightSync):
             if engine.name in failures:
                 self._fail(engine, failures[engine.name])
 
+        t1 = time.perf_counter()
         with cf.ThreadPoolExecutor(max_workers=len(members), thread_name_prefix="wt-commit") as pool:
             list(pool.map(settle, members))
+        phases["commit"] = time.perf_counter() - t1
         for gap in probed:
             metrics.add_probe_gap(gap)
         metrics.seconds = time.perf_counter() - t0
+        metrics.phases = phases
         metrics.failures = failures
         metrics.failed_engines = len(failures)
         metrics.engines = len(members) - len(failures)

@@ -47,7 +47,7 @@ AWAITING_FLEET = frozenset({
     "rollout.enforce_eager", "rollout.max_num_seqs", "rollout.timeout_s",
     "rollout.async.partial_rollout", "rollout.placement", "rollout.engines_per_node",
     "rollout.server_urls", "rollout.hosts", "rollout.registry_dir", "rollout.start_timeout_s",
-    "rollout.control_timeout_s", "rollout.max_inflight_seqs",
+    "rollout.control_timeout_s", "rollout.max_inflight_seqs", "rollout.hedge_after",
     "sync.transport", "sync.bucket_bytes", "sync.timeout_s", "sync.master_addr", "sync.retries"})
 
 

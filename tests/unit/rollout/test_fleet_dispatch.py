@@ -58,8 +58,10 @@ class Seeded(RolloutEngine):
         pass
 
 
-def _cfg(room: int) -> RolloutConfig:
-    return RolloutConfig(engine="vllm_server", num_engines=3, max_num_seqs=room, timeout_s=5.0)
+def _cfg(room: int, hedge_after: float = 0.0) -> RolloutConfig:
+    """Tail hedging off unless a test is about it (it changes which engine answers)."""
+    return RolloutConfig(engine="vllm_server", num_engines=3, max_num_seqs=room, timeout_s=5.0,
+                         hedge_after=hedge_after)
 
 
 PROMPTS = [[i, i + 1, i + 2] for i in range(24)]
@@ -86,6 +88,67 @@ def test_fleet_dispatch_gives_a_slow_engine_fewer_prompts_and_the_same_samples()
     assert engines[2].calls < len(PROMPTS) / 3 < engines[0].calls
     assert m["rollout/requeued_requests"] == 0 and m["rollout/engines_up"] == 3
     assert {c.engine for g in got for c in g} == {"fast0", "fast1", "slow"}
+
+
+class Stalled(Seeded):
+    """A straggler at the limit: it never answers; it counts the requests it was given and those
+    the fleet took back (cancelled)."""
+
+    def __init__(self, name):
+        super().__init__(name)
+        self.cancelled = 0
+
+    async def submit(self, prompt_ids, sampling):
+        self.calls += 1
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+def _all(fleet, prompts, spec, timeout=30.0):
+    """Every prompt through submit_threadsafe, each answer awaited with a timeout."""
+    futures = [fleet.submit_threadsafe(p, spec.for_prompt(i)) for i, p in enumerate(prompts)]
+    return [f.result(timeout=timeout) for f in futures]
+
+
+def test_fleet_hedges_a_stalled_engines_requests_onto_engines_with_room_and_samples_the_same():
+    engines = [Seeded("fast0", 0.01), Seeded("fast1", 0.01), Stalled("stall")]
+    fleet = EngineFleet(engines, _cfg(room=4, hedge_after=1.5))
+    try:
+        got = _all(fleet, PROMPTS, SPEC)
+        m = fleet.pop_metrics()
+        time.sleep(0.05)  # the cancelled copies' tasks finish unwinding
+    finally:
+        fleet.close()
+    assert [[c.token_ids for c in g] for g in got] == _reference()  # same seeds, same samples
+    stall = engines[2]
+    assert stall.calls >= 2  # its first room (two n=2 requests), then more once those were taken back
+    assert {c.engine for g in got for c in g} == {"fast0", "fast1"}
+    # every request the straggler held was copied to a fast engine, answered there, and cancelled
+    assert m["rollout/hedged_requests"] == m["rollout/hedge_wins"] == stall.calls == stall.cancelled
+    assert m["rollout/requeued_requests"] == 0 and m["rollout/engines_up"] == 3
+
+
+def test_fleet_hedging_spares_engines_of_another_weight_version_and_is_off_at_zero():
+    """A straggler's request may only be copied to an engine holding the same weights (or the
+    samples could differ); hedge_after=0 turns hedging off. Either way its requests stay put."""
+    for hedge_after, stale in ((1.5, True), (0.0, False)):
+        engines = [Seeded("fast0", 0.01), Stalled("stall")]
+        engines[0].weight_version = 3 if stale else 0
+        fleet = EngineFleet(engines, _cfg(room=4, hedge_after=hedge_after))
+        try:
+            # least outstanding work: p0 fast0, p1 stall, p2 fast0, p3 stall, p4 and p5 wait for fast0
+            futures = [fleet.submit_threadsafe(p, SPEC.for_prompt(i)) for i, p in enumerate(PROMPTS[:6])]
+            for k in (0, 2, 4, 5):
+                futures[k].result(timeout=10)
+            time.sleep(0.3)  # 30 times fast0's request time: a hedge would have happened by now
+            m = fleet.pop_metrics()
+            assert not futures[1].done() and not futures[3].done()
+        finally:
+            fleet.close()
+        assert m["rollout/hedged_requests"] == 0 and engines[1].calls == 2, (hedge_after, stale, m)
 
 
 def test_fleet_requeues_a_dead_engines_requests_with_the_same_seeds():
