@@ -160,7 +160,9 @@ def test_fleet_samples_exactly_what_one_server_samples(fleet_env):
     one = _one_server(fleet_env)
     want = one.generate(PROMPTS, SAMPLE)
     one.close()
-    fleet = _fleet(fleet_env, max_inflight_seqs=8)  # two prompts (n=4) per engine at a time
+    # two prompts (n=4) per engine at a time; tail hedging off, so that every engine answers some
+    # (a fresh server's first requests are slow: hedged copies could answer them all)
+    fleet = _fleet(fleet_env, max_inflight_seqs=8, hedge_after=0.0)
     try:
         got = fleet.generate(PROMPTS, SAMPLE)
         metrics = fleet.pop_metrics()
@@ -174,6 +176,20 @@ def test_fleet_samples_exactly_what_one_server_samples(fleet_env):
     assert {c.engine for g in got for c in g} == set(NAMES)  # every engine served some prompts
     assert metrics["rollout/requeued_requests"] == 0 and metrics["rollout/engines_up"] == 3
     assert len({tuple(map(tuple, g)) for g in _tokens(want)}) > 1  # prompts are not sampled alike
+    # tail hedging: a paused server (a straggler that uses no CPU) holds its first requests; once
+    # nothing waits for room, copies go to the other two, with the same seeds: the same samples
+    fleet = _fleet(fleet_env, max_inflight_seqs=8, hedge_after=1.5)
+    straggler = fleet.engines[2]
+    try:
+        straggler.pause("keep")
+        hedged = fleet.generate(PROMPTS, SAMPLE)
+        m = fleet.pop_metrics()
+    finally:
+        straggler.resume()
+        fleet.close()
+    assert _tokens(hedged) == _tokens(want)
+    assert NAMES[2] not in {c.engine for g in hedged for c in g}
+    assert m["rollout/hedge_wins"] >= 2 and m["rollout/requeued_requests"] == 0, m
     # the trainer names engines that did not register
     with pytest.raises(EngineError, match=r"missing: \['h9-0'\]"):
         connect_fleet(_cfg(start_timeout_s=1.0), registry_dir=fleet_env["registry"], names=NAMES + ["h9-0"])
@@ -184,7 +200,8 @@ def test_fleet_kill9_mid_generation_requeues_with_the_same_samples(fleet_env):
     one = _one_server(fleet_env)
     want = one.generate(PROMPTS, SAMPLE)
     one.close()
-    fleet = _fleet(fleet_env, max_inflight_seqs=8)
+    # tail hedging off: this test counts the re-sent requests (a hedged one would not be re-sent)
+    fleet = _fleet(fleet_env, max_inflight_seqs=8, hedge_after=0.0)
     assert all(e.weight_version == fleet_env["version"] for e in fleet.engines)  # what the servers report
     victim = fleet.engines[1]
     real_submit, state = victim.submit, {"calls": 0, "outstanding": 0, "at_kill": None}
@@ -295,7 +312,9 @@ def test_fleet_detects_a_stopped_server_within_the_timeout_and_completes(fleet_e
     one = _one_server(fleet_env)
     want = one.generate(PROMPTS, SAMPLE)
     one.close()
-    fleet = _survivors(fleet_env, timeout_s=timeout_s, max_inflight_seqs=8)
+    # tail hedging off: it would finish the stopped server's requests elsewhere before the timeout
+    # (the step completes either way; this test is about the detection)
+    fleet = _survivors(fleet_env, timeout_s=timeout_s, max_inflight_seqs=8, hedge_after=0.0)
     victim = fleet.engines[1]
     real_submit, state = victim.submit, {"calls": 0, "t_stop": None}
 
@@ -352,7 +371,8 @@ def test_fleet_readmits_the_restarted_server_after_a_sync(fleet_env):
     while launcher.restarts < 1 or not launcher.servers[1].healthy():
         assert time.monotonic() < deadline, "the launcher did not bring the killed server back"
         time.sleep(1.0)
-    fleet = _fleet(fleet_env)  # the registry lists it again, at its new process
+    # (tail hedging off: the restarted server's first requests are slow, hedged copies could answer them all)
+    fleet = _fleet(fleet_env, hedge_after=0.0)  # the registry lists it again, at its new process
     sync = _sync(fleet_env, fleet)
     try:
         victim = fleet.engines[1]
