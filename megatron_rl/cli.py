@@ -58,7 +58,7 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
     from megatron_rl.models.hf_config import read_hf_config
     from megatron_rl.tracking.logs import hidden_warnings, route_logs
     from megatron_rl.trainer.context import build_context
-    from megatron_rl.trainer.run import run
+    from megatron_rl.trainer.run import nothing_left, run
     from megatron_rl.trainer.schema import check_model_limits, load_run_config
     from megatron_rl.trainer.stop import StopRequest
 
@@ -69,6 +69,10 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
     cfg = load_run_config(config, overrides)
     if stage:
         cfg.stage(stage)  # fail fast on an unknown stage, before anything is built
+    if nothing_left(cfg, stage):
+        logging.getLogger("megatron_rl").info("%s: %s already finished; nothing to do", cfg.trainer.run_dir,
+                                              f"stage {stage}" if stage else "every stage")
+        return 0
     apply_compat()  # the one call: the CPU shim (a no-op with CUDA) and the Megatron fixes
     groups = init_distributed(cfg.policy.parallel, seed=cfg.policy.seed)
     logs = route_logs(cfg.trainer.run_dir, verbose=cfg.tracking.console_libraries, rank=groups.rank)

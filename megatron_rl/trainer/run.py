@@ -25,6 +25,21 @@ def _record_eval(ctx: Context, key: str, max_tokens: int) -> dict:
     return m
 
 
+def nothing_left(cfg, only_stage: str | None = None) -> bool:
+    """Whether the run directory already holds everything :func:`run` would make: every stage it
+    would run finished, the control experiment (when configured) done, the summary written. The
+    entry point then returns before building anything (a finished run started again, a requeued
+    job of a finished stage), reading only ``run_state.json``, on every rank alike."""
+    run_dir = RunDir(cfg.trainer.run_dir)
+    rs = run_dir.read_run_state()
+    stages = [only_stage] if only_stage else [s.name for s in cfg.stages]
+    if not set(stages) <= set(rs["finished_stages"]):
+        return False
+    if cfg.sft.enabled and cfg.sft.control and not only_stage and "control" not in rs:
+        return False
+    return (run_dir.root / "summary.json").exists()
+
+
 def run(ctx: Context, only_stage: str | None = None) -> int:
     """Run the configured stages (or just ``only_stage``), then close the context's parts.
     Returns the process exit code."""

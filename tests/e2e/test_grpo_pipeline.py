@@ -114,6 +114,9 @@ def test_finished_run_is_not_retrained(finished_run):
     proc = _train(finished_run, *MINI)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(_rows(finished_run)) == before  # every stage already finished: nothing re-runs
+    # ... and it says so before building anything (no process group, engine or policy)
+    out = " ".join(proc.stdout.split())
+    assert "every stage already finished; nothing to do" in out and "libraries' logs" not in out, out
 
 
 def test_analyze_dumps_of_a_real_run_agree_with_its_metrics(finished_run):
