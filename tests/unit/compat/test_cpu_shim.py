@@ -25,49 +25,97 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shim is i
 REPO = Path(__file__).resolve().parents[3]
 
 
-def _run(code: str) -> str:
+def _run(code: str, *args: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True,
                           text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
 
-def test_fresh_process_needs_shim_and_apply_is_idempotent():
-    out = _run("""
-        import torch
-        from megatron_rl.compat import apply_cpu_shim, cpu_shim_active, megatron_cpu_scope
-        try:
-            torch.zeros(1, device="cuda")
-            print("before: ok")
-        except (RuntimeError, AssertionError, AttributeError):
-            print("before: fails")
-        depth = torch._C._len_torch_function_stack()
-        assert apply_cpu_shim() and apply_cpu_shim() and cpu_shim_active()
-        print("global modes added:", torch._C._len_torch_function_stack() - depth)
-        with megatron_cpu_scope():
-            print("in scope:", torch.zeros(1, device="cuda").device)
-        from megatron.core.pipeline_parallel import schedules
-        print("schedules:", schedules.torch.zeros([], dtype=torch.int, device="cuda").device)
-        # The entry point's one call adds the Megatron fixes; init_distributed refuses without it.
-        from megatron.core.optimizer import optimizer as mo
-        from megatron_rl.compat import apply_compat, compat_applied
-        from megatron_rl.models import ParallelConfig, destroy_distributed, init_distributed
-        try:
-            init_distributed(ParallelConfig())
-            print("init without apply_compat: ok")
-        except RuntimeError as exc:
-            print("init without apply_compat: refused,", "apply_compat()" in str(exc))
-        load = mo.FP32Optimizer.load_state_dict
-        assert not compat_applied() and apply_compat() and apply_compat() and compat_applied()
-        fixed = mo.FP32Optimizer.load_state_dict  # wraps Megatron's own, once
-        print("fixes patched once:", fixed is not load,
-              any(c.cell_contents is load for c in fixed.__closure__))
-        print("init after:", init_distributed(ParallelConfig()).world_size)
-        destroy_distributed()
-    """)
-    assert "before: fails" in out  # the patching is really needed on this machine
+# One fresh interpreter for every check that needs one (a Megatron import costs seconds): it
+# prints one labelled line per fact, in this order, and each test below reads its own lines.
+#   1. before the shim: a CUDA tensor, and Megatron's per-CP-rank rotary slice, fail on this machine;
+#   2. the shim applied (twice): scoped device mode, Megatron's schedules module, the rotary slice;
+#   3. Megatron's gradient clipping in a one-rank gloo world (the tensors saved for a float64 check);
+#   4. init_distributed refuses before compat.apply_compat(), which adds the Megatron fixes once.
+FRESH = """
+import sys
+import torch
+from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+class Group:  # the CP group's size and this rank's place in it
+    def size(self): return 2
+    def rank(self): return 1
+
+emb = torch.arange(8.0)[:, None, None, None]  # positions 0..7, 4 chunks of 2
+try:
+    torch.zeros(1, device="cuda")
+    print("cuda before: ok")
+except (RuntimeError, AssertionError, AttributeError):
+    print("cuda before: fails")
+try:
+    rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, Group())
+    print("rotary before: ok")
+except (RuntimeError, AssertionError):
+    print("rotary before: fails")
+
+from megatron_rl.compat import apply_cpu_shim, cpu_shim_active, megatron_cpu_scope
+depth = torch._C._len_torch_function_stack()
+assert apply_cpu_shim() and apply_cpu_shim() and cpu_shim_active()
+print("global modes added:", torch._C._len_torch_function_stack() - depth)
+with megatron_cpu_scope():
+    print("in scope:", torch.zeros(1, device="cuda").device)
+from megatron.core.pipeline_parallel import schedules
+print("schedules:", schedules.torch.zeros([], dtype=torch.int, device="cuda").device)
+for fn in (rope_utils.get_pos_emb_on_this_cp_rank, rotary_pos_embedding.get_pos_emb_on_this_cp_rank):
+    print("rotary after:", fn(emb, 0, Group()).flatten().tolist())
+print("rotary modes left:", torch._C._len_torch_function_stack())
+
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
+tmp = sys.argv[1]
+store = torch.distributed.FileStore(tmp + "/store", 1)
+torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+gen = torch.Generator().manual_seed(0)
+params = [torch.nn.Parameter(torch.randn(5, 3, generator=gen)) for _ in range(3)]
+for p in params:
+    p.grad = torch.randn(p.shape, generator=gen)
+torch.save([p.grad.clone() for p in params], tmp + "/before.pt")
+with megatron_cpu_scope():
+    norm = get_grad_norm_fp32([p.grad for p in params])
+    clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=norm)
+torch.save([p.grad for p in params], tmp + "/after.pt")
+print("clip norm", repr(norm))
+torch.distributed.destroy_process_group()
+
+from megatron.core.optimizer import optimizer as mo
+from megatron_rl.compat import apply_compat, compat_applied
+from megatron_rl.models import ParallelConfig, destroy_distributed, init_distributed
+try:
+    init_distributed(ParallelConfig())
+    print("init without apply_compat: ok")
+except RuntimeError as exc:
+    print("init without apply_compat: refused,", "apply_compat()" in str(exc))
+load = mo.FP32Optimizer.load_state_dict
+assert not compat_applied() and apply_compat() and apply_compat() and compat_applied()
+fixed = mo.FP32Optimizer.load_state_dict  # wraps Megatron's own, once
+print("fixes patched once:", fixed is not load, any(c.cell_contents is load for c in fixed.__closure__))
+print("init after:", init_distributed(ParallelConfig()).world_size)
+destroy_distributed()
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory):
+    """The FRESH interpreter's output lines and its directory."""
+    tmp = tmp_path_factory.mktemp("fresh")
+    return _run(FRESH, str(tmp)).splitlines(), tmp
+
+
+def test_fresh_process_needs_shim_and_apply_is_idempotent(fresh):
+    out, _ = fresh
+    assert "cuda before: fails" in out  # the patching is really needed on this machine
     assert "global modes added: 0" in out  # the device mode is scoped, never left on
     assert "in scope: cpu" in out
     assert "schedules: cpu" in out
@@ -153,30 +201,13 @@ def test_rng_tracker_forks_the_cpu_generator():
     assert torch.equal(torch.cat(inside), ref_inside)
 
 
-def test_megatron_clip_grads_on_cpu_matches_float64(tmp_path):
-    # Megatron's clipping all-reduces over a process group: run it in a fresh one-rank gloo world.
-    out = _run(f"""
-        import torch
-        from megatron_rl.compat import apply_cpu_shim, megatron_cpu_scope
-        apply_cpu_shim()
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
-        store = torch.distributed.FileStore({str(tmp_path / "store")!r}, 1)
-        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-        gen = torch.Generator().manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(5, 3, generator=gen)) for _ in range(3)]
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen)
-        torch.save([p.grad.clone() for p in params], {str(tmp_path / "before.pt")!r})
-        with megatron_cpu_scope():
-            norm = get_grad_norm_fp32([p.grad for p in params])
-            clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=norm)
-        torch.save([p.grad for p in params], {str(tmp_path / "after.pt")!r})
-        print("norm", repr(norm))
-        torch.distributed.destroy_process_group()
-    """)
-    norm = float(out.split("norm", 1)[1])
-    before = [g.double() for g in torch.load(tmp_path / "before.pt")]
-    after = torch.load(tmp_path / "after.pt")
+def test_megatron_clip_grads_on_cpu_matches_float64(fresh):
+    # Megatron's clipping all-reduces over a process group: a one-rank gloo world in FRESH.
+    out, tmp = fresh
+    (line,) = [x for x in out if x.startswith("clip norm ")]
+    norm = float(line.split()[-1])
+    before = [g.double() for g in torch.load(tmp / "before.pt")]
+    after = torch.load(tmp / "after.pt")
     ref_norm = math.sqrt(sum(float((g * g).sum()) for g in before))
     assert norm == pytest.approx(ref_norm, rel=1e-6)
     coeff = 1.0 / (ref_norm + 1e-6)
@@ -185,30 +216,10 @@ def test_megatron_clip_grads_on_cpu_matches_float64(tmp_path):
         torch.testing.assert_close(got.double(), g * coeff, rtol=1e-6, atol=1e-7)
 
 
-def test_context_parallel_rotary_slice_runs_on_the_cpu():
+def test_context_parallel_rotary_slice_runs_on_the_cpu(fresh):
     """Megatron's per-CP-rank rotary slice makes a pinned index tensor and moves it with .cuda():
     it fails without the shim and, with it, picks chunks (r, 2·CP-1-r) as on a GPU."""
-    out = _run("""
-        import torch
-        from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
-
-        class Group:  # the CP group's size and this rank's place in it
-            def size(self): return 2
-            def rank(self): return 1
-
-        emb = torch.arange(8.0)[:, None, None, None]  # positions 0..7, 4 chunks of 2
-        try:
-            rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, Group())
-            print("before: ok")
-        except (RuntimeError, AssertionError):
-            print("before: fails")
-        from megatron_rl.compat import apply_cpu_shim
-        apply_cpu_shim()
-        for fn in (rope_utils.get_pos_emb_on_this_cp_rank,
-                   rotary_pos_embedding.get_pos_emb_on_this_cp_rank):
-            print("after:", fn(emb, 0, Group()).flatten().tolist())
-        print("modes left:", torch._C._len_torch_function_stack())
-    """)
-    assert "before: fails" in out
-    assert out.count("after: [2.0, 3.0, 4.0, 5.0]") == 2  # rank 1 of 2: chunks 1 and 2
-    assert "modes left: 0" in out
+    out, _ = fresh
+    assert "rotary before: fails" in out
+    assert out.count("rotary after: [2.0, 3.0, 4.0, 5.0]") == 2  # rank 1 of 2: chunks 1 and 2 (lines)
+    assert "rotary modes left: 0" in out
