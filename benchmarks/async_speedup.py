@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,10 +41,49 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "demo_cpu.yaml"
 STAGE = "stage1_12"
+STAGE_MAX_TOKENS = 12  # the stage's max_response_len (configs/demo_cpu.yaml): the evaluation's budget
 ENGINE_CORE, TRAINER_CORE = 1, 0
 # The engine in its own process: one vLLM server, started by the trainer, weights over gloo.
 SERVER = ["rollout.engine=vllm_server", "rollout.placement=colocated", "sync.transport=gloo",
           "sync.bucket_bytes=16777216"]
+
+
+class Budget:
+    """``--budget-s``: start a run only if it should finish within the budget (from the longest
+    finished run of its kind, kept in ``work``), so one invocation fits a slot on a shared box;
+    the next invocation goes on where it stopped."""
+
+    GUESS_S = {"sft": 480.0, "sync": 420.0, "async": 300.0}
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.limit: float | None = None
+        self.file: Path | None = None
+
+    def setup(self, work: Path, limit: float | None) -> None:
+        self.limit, self.file = limit, work / "bench_process_s.json"
+
+    def _seen(self) -> dict:
+        return json.loads(self.file.read_text()) if self.file is not None and self.file.exists() else {}
+
+    def allows(self, kind: str) -> bool:
+        if self.limit is None:
+            return True
+        need = max(self._seen().get(kind, []), default=self.GUESS_S[kind])
+        ok = time.perf_counter() - self.t0 + need <= self.limit
+        if not ok:
+            print(f"  not starting a {kind} run: about {need:.0f} s, {self.limit - (time.perf_counter() - self.t0):.0f} s "
+                  f"of --budget-s left", flush=True)
+        return ok
+
+    def record(self, kind: str, seconds: float) -> None:
+        seen = self._seen()
+        seen.setdefault(kind, []).append(round(seconds, 1))
+        self.file.parent.mkdir(parents=True, exist_ok=True)
+        self.file.write_text(json.dumps(seen))
+
+
+BUDGET = Budget()
 
 
 def loadavg() -> str:
@@ -97,6 +137,9 @@ def _pin_engine(trainer: subprocess.Popen, stop: threading.Event) -> None:
 def train(run_dir: Path, overrides: list[str], pin: bool) -> None:
     cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(CONFIG), "--run-dir", str(run_dir),
            "--stage", STAGE, "tracking.wandb_mode=disabled", "tracking.console=false", *overrides]
+    if run_dir.exists():  # a run that did not finish (killed): start it afresh, not resumed or appended to
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
     log = (run_dir.parent / f"{run_dir.name}.log").open("w")
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT,
                             preexec_fn=(lambda: os.sched_setaffinity(0, {TRAINER_CORE})) if pin else None)
@@ -110,42 +153,108 @@ def train(run_dir: Path, overrides: list[str], pin: bool) -> None:
         raise SystemExit(f"{' '.join(cmd)} failed (rc {rc}); see {log.name}")
 
 
-def sft_checkpoint(work: Path) -> Path:
-    """The demo's cold start (configs/demo_cpu.yaml's sft section), once."""
+def sft_checkpoint(work: Path, eval_size: int) -> Path:
+    """The demo's cold start (configs/demo_cpu.yaml's sft section), once; its data (written by the
+    demo's generator) holds ``eval_size`` held-out problems."""
     sft = work / "sft"
     final = sft / "sft" / "final"
     if not (final / "trainer_state.json").exists():
+        if not BUDGET.allows("sft"):
+            raise SystemExit(0)
         print(f"SFT cold start into {sft} ...", flush=True)
         t0 = time.perf_counter()
         sft.parent.mkdir(parents=True, exist_ok=True)
         # one GRPO step (a stage runs at least one; it is not used); the run's "start" evaluation
         # is the SFT weights' held-out accuracy
-        train(sft, ["stages.0.max_steps=1", *SERVER], pin=False)
+        train(sft, ["stages.0.max_steps=1", f"synthetic.eval_size={eval_size}", *SERVER], pin=False)
+        BUDGET.record("sft", time.perf_counter() - t0)
         print(f"  done in {time.perf_counter() - t0:.0f} s", flush=True)
     return sft
 
 
-def grpo_run(work: Path, sft: Path, mode: str, seed: int, steps: int, algo: list[str]) -> dict:
+def final_weights_check(run_dir: Path, eval_path: Path) -> dict:
+    """Whether the run's final evaluation scored the final weights: the stage's final weights as
+    the trainer wrote them (``final/hf``) decoded greedily by transformers (a plain argmax loop,
+    prompts of one length per batch: no padding), compared problem by problem with the engine's
+    answers of that evaluation (``RUN_DIR/eval/<stage>.jsonl``), whose weight-version labels (the
+    engine's own) must be the trainer's final version."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_rl.data.dataset import load_prompts
+    from megatron_rl.rewards import RewardConfig, RewardManager
+    from megatron_rl.trainer.phases import reward_item
+
+    hf = run_dir / STAGE / "final" / "hf"
+    tok = AutoTokenizer.from_pretrained(str(hf))
+    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    records, _ = load_prompts(eval_path, tok, max_prompt_len=0)
+    by_len: dict[int, list[int]] = {}
+    for i, r in enumerate(records):
+        by_len.setdefault(len(r.prompt_ids), []).append(i)
+    texts = [""] * len(records)
+    eos = tok.eos_token_id
+    with torch.no_grad():
+        for idx in by_len.values():
+            seq = torch.tensor([records[i].prompt_ids for i in idx])
+            n0 = seq.shape[1]
+            for _ in range(STAGE_MAX_TOKENS):
+                seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
+            for i, row in zip(idx, seq[:, n0:].tolist()):
+                texts[i] = tok.decode(row[: row.index(eos)] if eos in row else row, skip_special_tokens=True)
+    mgr = RewardManager(RewardConfig())
+    try:
+        scores, _ = mgr.score([reward_item(r, t) for r, t in zip(records, texts)])
+    finally:
+        mgr.close()
+    engine = {}
+    answers = run_dir / "eval" / f"{STAGE}.jsonl"
+    if answers.exists():
+        engine = {a["row"]: a for a in map(json.loads, answers.read_text().splitlines())}
+    same = [engine[r.row]["response"] == t for r, t in zip(records, texts) if r.row in engine]
+    final_version = json.loads((run_dir / STAGE / "final" / "trainer_state.json").read_text())["weight_version"]
+    return {"accuracy_hf": sum(x >= 1.0 for x in scores) / len(scores), "n": len(records),
+            "answers_compared": len(same), "answers_equal": sum(same),
+            "engine_versions": sorted({a["weight_version"] for a in engine.values()}),
+            "trainer_version": final_version}
+
+
+def grpo_run(work: Path, sft: Path, mode: str, seed: int, steps: int, algo: list[str], make: bool = True,
+             eval_every: int = 10) -> dict | None:
+    """One GRPO run's figures; made first if it is not in ``work`` yet and ``make`` (else None)."""
     run_dir = work / f"{mode}_seed{seed}"
     if not (run_dir / STAGE / "final" / "trainer_state.json").exists():
+        if not make or not BUDGET.allows(mode):
+            return None
         overrides = [
             "sft.enabled=false", f"trainer.init_from={sft / 'sft' / 'final'}", f"trainer.seed={seed}",
             f"model.path={sft / 'base_model'}", "synthetic.enabled=false",
             f"data.train_path={sft / 'data' / 'train.jsonl'}", f"eval.path={sft / 'data' / 'eval.jsonl'}",
-            f"stages.0.max_steps={steps}", "eval.every=0", "trainer.save_every=0", *SERVER,
+            f"stages.0.max_steps={steps}", f"eval.every={eval_every}", "trainer.save_every=0", *SERVER,
             f"rollout.async.max_staleness={1 if mode == 'async' else 0}", *algo,
         ]
         t0 = time.perf_counter()
         train(run_dir, overrides, pin=True)
         (run_dir / "bench_load.txt").write_text(loadavg())
+        BUDGET.record(mode, time.perf_counter() - t0)
         print(f"  {mode} seed {seed}: process {time.perf_counter() - t0:.0f} s (load {loadavg()})", flush=True)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if r["stage"] == STAGE]
     ev = json.loads((run_dir / "run_state.json").read_text())["eval"]
+    # The run's own evaluations: every eval_every steps, and the final weights' (run_state).
+    evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r] + [ev[STAGE]["eval/accuracy"]]
+    check_file = run_dir / "bench_final_weights_check.json"
+    if not check_file.exists():
+        check_file.write_text(json.dumps(final_weights_check(run_dir, sft / "data" / "eval.jsonl")))
+    check = json.loads(check_file.read_text())
     split = {k: statistics.mean(r.get(f"timing/{k}", 0.0) for r in rows)
              for k in ("gen", "reward", "logprob", "update", "sync", "other", "step")}
     return {"mode": mode, "seed": seed, "steps": len(rows), "wall_s": sum(r["timing/step"] for r in rows),
-            "accuracy": ev[STAGE]["eval/accuracy"],
+            "accuracy": ev[STAGE]["eval/accuracy"], "check": check,
+            "accuracy_hf": check["accuracy_hf"],
+            # the mean of the last three evaluations (steps 80, 90, 100 by default): less of the
+            # checkpoint-to-checkpoint swing of greedy accuracy
+            "accuracy_last3": statistics.mean(evals[-3:]), "eval_n": ev[STAGE]["eval/n"],
             # the training reward (sampled, T=1) over the last 20 steps: a second, less noisy view
             "reward_last": statistics.mean(r["reward/mean"] for r in rows[-20:]),
             "entropy_last": statistics.mean(r.get("actor/entropy", 0.0) for r in rows[-20:]),
@@ -157,34 +266,74 @@ def grpo_run(work: Path, sft: Path, mode: str, seed: int, steps: int, algo: list
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--seeds", type=int, nargs="*", default=[1, 2])
+    # Which runs to make (finished runs are reused): one locked command per (seed, mode) keeps each
+    # piece short on a shared box; the summary covers every finished run of --seeds.
+    p.add_argument("--modes", nargs="+", choices=("sync", "async"), default=["sync", "async"])
     p.add_argument("--work", type=Path, default=REPO / "runs" / "bench_async")
+    # Held-out problems (written once with the SFT run's data): 2000 puts the binomial standard
+    # error of one accuracy at about 1.1 points (0.5 * 0.5 / 2000), half of 500's.
+    p.add_argument("--eval-size", type=int, default=2000)
+    # Held-out evaluations during a run (not counted in its wall time): the mean of the last three
+    # is reported beside the final one.
+    p.add_argument("--eval-every", type=int, default=10)
+    # Seconds this invocation may take (runs that would not fit are left for the next one).
+    p.add_argument("--budget-s", type=float, default=None)
     # Both modes train with the same objective; TIS weighs each token by pi_old / pi_engine, which
     # one-step-off needs (stale samples) and costs the synchronous run one old-log-prob pass.
     p.add_argument("--algo", nargs="*", default=["algo.mismatch.mode=tis_token"])
     args = p.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("needs two cores (engine and trainer each on one)")
+    BUDGET.setup(args.work, args.budget_s)
     print(f"load average before: {loadavg()}", flush=True)
-    sft = sft_checkpoint(args.work)
+    sft = sft_checkpoint(args.work, args.eval_size)
     sft_acc = json.loads((sft / "run_state.json").read_text())["eval"]["start"]["eval/accuracy"]
     print(f"held-out accuracy after the SFT cold start: {sft_acc:.3f}; GRPO overrides: {args.algo}")
     runs = []
     for seed in args.seeds:
         for mode in ("sync", "async"):
-            runs.append(grpo_run(args.work, sft, mode, seed, args.steps, args.algo))
+            r = grpo_run(args.work, sft, mode, seed, args.steps, args.algo, make=mode in args.modes,
+                         eval_every=args.eval_every)
+            if r is not None:
+                runs.append(r)
+    # The summary pairs the two modes seed by seed: only seeds with both runs finished count.
+    complete = {r["seed"] for r in runs if r["mode"] == "sync"} & {r["seed"] for r in runs if r["mode"] == "async"}
+    if not complete:
+        print(json.dumps({"accuracy_sft": sft_acc, "runs": [(r["mode"], r["seed"], r["accuracy"]) for r in runs],
+                          "load": loadavg()}))
+        return
+    runs = [r for r in runs if r["seed"] in complete]
     print(f"load average after: {loadavg()}")
+    print("\nThe final evaluation vs the final weights (transformers' greedy answers of final/hf):")
+    for r in runs:
+        c = r["check"]
+        print(f"  {r['mode']} seed {r['seed']}: {c['answers_equal']} of {c['answers_compared']} answers equal; "
+              f"engine weight versions {c['engine_versions']}, trainer's final version {c['trainer_version']}; "
+              f"accuracy engine {r['accuracy']:.4f}, transformers {c['accuracy_hf']:.4f}")
     print("\n| run | steps | GRPO wall s | s/step | gen | reward | logprob | update | sync | other | "
-          "trainer wait | held-out acc | reward, last 20 | entropy, last 20 | load (1 min, at end) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "trainer wait | held-out acc | same, transformers | mean of last 3 evals | reward, last 20 | "
+          "entropy, last 20 | load (1 min, at end) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         s = r["split"]
         print(f"| {r['mode']} seed {r['seed']} | {r['steps']} | {r['wall_s']:.0f} | {s['step']:.2f} | {s['gen']:.2f} | "
               f"{s['reward']:.2f} | {s['logprob']:.2f} | {s['update']:.2f} | {s['sync']:.2f} | {s['other']:.2f} | "
-              f"{r['trainer_wait_s']:.2f} | {r['accuracy']:.3f} | {r['reward_last']:.3f} | {r['entropy_last']:.3f} | "
-              f"{r['load']} |")
-    med = {m: {k: statistics.median(r[k] for r in runs if r["mode"] == m) for k in ("wall_s", "accuracy", "reward_last")}
-           for m in ("sync", "async")}
+              f"{r['trainer_wait_s']:.2f} | {r['accuracy']:.3f} | {r['accuracy_hf']:.3f} | {r['accuracy_last3']:.3f} | "
+              f"{r['reward_last']:.3f} | {r['entropy_last']:.3f} | {r['load']} |")
+    keys = ("wall_s", "accuracy", "accuracy_last3", "reward_last")
+    med = {m: {k: statistics.median(r[k] for r in runs if r["mode"] == m) for k in keys} for m in ("sync", "async")}
+    by = {(r["mode"], r["seed"]): r for r in runs}
+    paired = [by["async", sd]["accuracy"] - by["sync", sd]["accuracy"] for sd in args.seeds
+              if ("async", sd) in by and ("sync", sd) in by]
+    sync_acc = [r["accuracy"] for r in runs if r["mode"] == "sync"]
+    # The noise floor: how far two synchronous runs (same SFT weights, same held-out set, another
+    # seed) land apart; an async-sync gap inside it cannot be told from seed noise.
+    sync_spread = max(sync_acc) - min(sync_acc)
+    sync_sd = statistics.stdev(sync_acc) if len(sync_acc) > 1 else float("nan")
+    # The largest disagreement between the run's evaluation (the engine) and transformers' greedy
+    # decoding of the final weights the trainer wrote: ~0 when the evaluation scored those weights.
+    hf_gap = max(abs(r["accuracy"] - r["accuracy_hf"]) for r in runs)
     # The floor of one-step-off from the synchronous split: the slower side, plus the sync itself.
     floors = []
     for r in (r for r in runs if r["mode"] == "sync"):
@@ -193,17 +342,34 @@ def main() -> None:
     # Without TIS a synchronous run would skip its old-log-prob pass (the async run never can: its
     # samples are stale): the ratio against that loop, estimated from the sync runs' own split.
     bare = statistics.median(r["wall_s"] - r["split"]["logprob"] * r["steps"] for r in runs if r["mode"] == "sync")
+    n = int(runs[0]["eval_n"])
     out = {"wall_ratio": med["async"]["wall_s"] / med["sync"]["wall_s"],
            "wall_ratio_vs_sync_without_logprob_est": med["async"]["wall_s"] / bare,
            "accuracy_sync": med["sync"]["accuracy"], "accuracy_async": med["async"]["accuracy"],
+           "accuracy_gap_points": 100 * (med["async"]["accuracy"] - med["sync"]["accuracy"]),
+           "paired_gap_points_median": 100 * statistics.median(paired) if paired else None,
+           "paired_gap_points": [round(100 * d, 1) for d in paired],
+           "sync_spread_points": 100 * sync_spread, "sync_sd_points": 100 * sync_sd,
+           "eval_se_points": 100 * (0.25 / n) ** 0.5, "eval_n": n,
+           "accuracy_last3_sync": med["sync"]["accuracy_last3"], "accuracy_last3_async": med["async"]["accuracy_last3"],
+           "engine_vs_transformers_max_gap": hf_gap,
+           "final_answers_equal_min_frac": min(r["check"]["answers_equal"] / max(r["check"]["answers_compared"], 1)
+                                               for r in runs),
+           "final_eval_at_final_version": all(r["check"]["engine_versions"] == [r["check"]["trainer_version"]]
+                                              for r in runs),
            "accuracy_sft": sft_acc, "reward_last20_sync": med["sync"]["reward_last"],
            "reward_last20_async": med["async"]["reward_last"],
            "floor_ratio": statistics.median(floors), "wall_sync_s": med["sync"]["wall_s"],
-           "wall_async_s": med["async"]["wall_s"], "steps": args.steps, "seeds": args.seeds, "load": loadavg()}
+           "wall_async_s": med["async"]["wall_s"], "steps": args.steps,
+           "seeds": sorted({r["seed"] for r in runs}), "algo": args.algo, "load": loadavg()}
     print(f"\nasync / sync wall time: {out['wall_ratio']:.3f} (one-step-off floor from the sync split: "
           f"{out['floor_ratio']:.3f}; against a sync loop without the old-log-prob pass, estimated: "
-          f"{out['wall_ratio_vs_sync_without_logprob_est']:.3f}); held-out accuracy sync {out['accuracy_sync']:.3f}, async "
-          f"{out['accuracy_async']:.3f} ({100 * (out['accuracy_async'] - out['accuracy_sync']):+.1f} points)")
+          f"{out['wall_ratio_vs_sync_without_logprob_est']:.3f})")
+    print(f"held-out accuracy ({n} problems, binomial SE {out['eval_se_points']:.1f} points), medians: sync "
+          f"{out['accuracy_sync']:.3f}, async {out['accuracy_async']:.3f} ({out['accuracy_gap_points']:+.1f} points); "
+          f"per seed async - sync {out['paired_gap_points']} points; sync runs across seeds span "
+          f"{out['sync_spread_points']:.1f} points (sd {out['sync_sd_points']:.1f}); engine vs transformers on the "
+          f"final weights: at most {hf_gap:.4f}")
     print(json.dumps(out))
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import torch
 
@@ -56,8 +58,9 @@ def probe_reference(ctx: Context):
 
 
 def evaluate(ctx: Context, max_tokens: int, records: list[PromptRecord] | None = None,
-             prefix: str = "eval") -> dict:
-    """Greedy accuracy on the held-out set (driver only; other ranks return {})."""
+             prefix: str = "eval", answers: Path | None = None) -> dict:
+    """Greedy accuracy on the held-out set (driver only; other ranks return {}). ``answers``: a
+    JSONL file that gets every problem's row, response and score."""
     if not ctx.is_driver:
         return {}
     records = ctx.eval_records if records is None else records
@@ -70,6 +73,12 @@ def evaluate(ctx: Context, max_tokens: int, records: list[PromptRecord] | None =
     scores, _ = ctx.reward_mgr.score(items)
     correct = torch.tensor(scores) >= ctx.cfg.algo.correct_reward
     trunc = torch.tensor([o.truncated for o in outs])
+    if answers is not None:
+        answers.parent.mkdir(parents=True, exist_ok=True)
+        with open(answers, "w") as f:
+            for r, o, sc in zip(records, outs, scores):
+                f.write(json.dumps({"row": r.row, "uid": r.uid, "response": o.text, "score": sc,
+                                    "weight_version": o.weight_version}) + "\n")
     return {
         f"{prefix}/accuracy": correct.float().mean().item(),
         f"{prefix}/truncation_ratio": trunc.float().mean().item(),

@@ -16,7 +16,7 @@ log = logging.getLogger("megatron_rl")
 
 
 def _record_eval(ctx: Context, key: str, max_tokens: int) -> dict:
-    m = evaluate(ctx, max_tokens)
+    m = evaluate(ctx, max_tokens, answers=ctx.run.root / "eval" / f"{key}.jsonl")
     if ctx.is_driver and m:
         rs = ctx.run.read_run_state()
         rs.setdefault("eval", {})[key] = m

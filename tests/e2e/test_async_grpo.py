@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.integration.launch.conftest import MINI_RECIPE, REPO, read_metrics, trainer_env
 
@@ -161,3 +162,31 @@ def test_async_kill9_resume_runs_every_step_once_and_redoes_the_interrupted_one_
         if s > ckpt:  # run before the kill, redone after the resume: the same step
             assert not _diff(killed[s], final[s]), f"step {s}: {_diff(killed[s], final[s])}"
     assert (run_dir / STAGE / "final" / "trainer_state.json").exists()
+
+
+def test_async_final_evaluation_scores_the_final_weights(killed_and_resumed):
+    """The stage's held-out evaluation, after the last weight sync of a one-step-off run, answers
+    with the final weights: the engine labels every answer with the trainer's final version, and
+    each answer is transformers' greedy decoding of ``final/hf``; the start weights' greedy answers
+    (transformers, the base model) differ, so the comparison can tell the two apart."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_rl.data.dataset import load_prompts
+    from tests.integration.rollout.hf_ref import hf_greedy
+
+    run_dir, _, _ = killed_and_resumed
+    final = run_dir / STAGE / "final"
+    version = json.loads((final / "trainer_state.json").read_text())["weight_version"]
+    answers = [json.loads(x) for x in (run_dir / "eval" / f"{STAGE}.jsonl").read_text().splitlines()]
+    assert len(answers) == 4 and {a["weight_version"] for a in answers} == {version}, (version, answers)
+    tok = AutoTokenizer.from_pretrained(str(final / "hf"))
+    records, _ = load_prompts(run_dir / "data" / "eval.jsonl", tok, max_prompt_len=0)
+    records = {r.row: r for r in records}
+
+    def greedy(model_dir: Path) -> list[str]:
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        return [tok.decode(hf_greedy(hf, records[a["row"]].prompt_ids, 12), skip_special_tokens=True)
+                for a in answers]
+
+    assert [a["response"] for a in answers] == greedy(final / "hf")
+    assert greedy(run_dir / "base_model") != greedy(final / "hf")
