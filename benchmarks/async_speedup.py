@@ -166,7 +166,9 @@ def sft_checkpoint(work: Path, eval_size: int) -> Path:
         sft.parent.mkdir(parents=True, exist_ok=True)
         # one GRPO step (a stage runs at least one; it is not used); the run's "start" evaluation
         # is the SFT weights' held-out accuracy
-        train(sft, ["stages.0.max_steps=1", f"synthetic.eval_size={eval_size}", *SERVER], pin=False)
+        # the in-process engine (the demo's): the cold start is not timed, and it is the same
+        # checkpoint whichever engine sampled its validation answers
+        train(sft, ["stages.0.max_steps=1", f"synthetic.eval_size={eval_size}"], pin=False)
         BUDGET.record("sft", time.perf_counter() - t0)
         print(f"  done in {time.perf_counter() - t0:.0f} s", flush=True)
     return sft
