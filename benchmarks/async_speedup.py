@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the final-weights check reads the held-out set and scores with the project's code
 CONFIG = REPO / "configs" / "demo_cpu.yaml"
 STAGE = "stage1_12"
 STAGE_MAX_TOKENS = 12  # the stage's max_response_len (configs/demo_cpu.yaml): the evaluation's budget
@@ -176,8 +177,8 @@ def sft_checkpoint(work: Path, eval_size: int) -> Path:
 
 def final_weights_check(run_dir: Path, eval_path: Path) -> dict:
     """Whether the run's final evaluation scored the final weights: the stage's final weights as
-    the trainer wrote them (``final/hf``) decoded greedily by transformers (a plain argmax loop,
-    prompts of one length per batch: no padding), compared problem by problem with the engine's
+    the trainer wrote them (``final/hf``) decoded greedily by transformers (a plain argmax loop
+    with its KV cache, prompts of one length per batch: no padding), compared problem by problem with the engine's
     answers of that evaluation (``RUN_DIR/eval/<stage>.jsonl``), whose weight-version labels (the
     engine's own) must be the trainer's final version."""
     import torch
@@ -198,11 +199,12 @@ def final_weights_check(run_dir: Path, eval_path: Path) -> dict:
     eos = tok.eos_token_id
     with torch.no_grad():
         for idx in by_len.values():
-            seq = torch.tensor([records[i].prompt_ids for i in idx])
-            n0 = seq.shape[1]
+            out = model(torch.tensor([records[i].prompt_ids for i in idx]), use_cache=True)
+            steps = []
             for _ in range(STAGE_MAX_TOKENS):
-                seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
-            for i, row in zip(idx, seq[:, n0:].tolist()):
+                steps.append(out.logits[:, -1].argmax(-1, keepdim=True))
+                out = model(steps[-1], past_key_values=out.past_key_values, use_cache=True)
+            for i, row in zip(idx, torch.cat(steps, 1).tolist()):
                 texts[i] = tok.decode(row[: row.index(eos)] if eos in row else row, skip_special_tokens=True)
     mgr = RewardManager(RewardConfig())
     try:
