@@ -59,6 +59,9 @@ class _Slot:
     outstanding: int = 0  # sequences in flight
     reason: str = ""      # why it went down
     down: asyncio.Event | None = None
+    # Clear while the engine runs new weights not verified yet (resumed before its probe, partial
+    # rollouts): what it returns meanwhile is held until it is admitted (or re-sent if it fails).
+    verified: asyncio.Event | None = None
     served: int = 0       # sequences served since the last pop_metrics
     tasks: set = field(default_factory=set)
     # seconds its recent answered requests took (what tail hedging compares against)
@@ -267,6 +270,8 @@ class EngineFleet(RolloutEngine):
         try:
             out = await self._send(slot, flight.prompt_ids, flight.sampling, flight.request_id)
             slot.latencies.append(self._loop.time() - t0)
+            if not slot.verified.is_set():
+                await self._until_verified(slot)
             return out
         finally:
             self._release(slot, flight.sampling.n)
@@ -395,6 +400,22 @@ class EngineFleet(RolloutEngine):
             raise _Requeue(str(exc)) from exc
         return out
 
+    async def _until_verified(self, slot: _Slot) -> None:
+        """Hold a result of an engine that runs unverified weights until the sync admits it; if the
+        sync fails it instead (or does not settle within ``rollout.timeout_s``), the request is
+        re-sent: its later tokens came from weights that failed their check."""
+        verified = asyncio.ensure_future(slot.verified.wait())
+        down = asyncio.ensure_future(slot.down.wait())
+        try:
+            await asyncio.wait({verified, down}, timeout=self.cfg.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            verified.cancel()
+            down.cancel()
+        if slot.down.is_set() or not slot.verified.is_set():
+            raise _Requeue(f"engine {slot.engine.name} resumed with new weights that "
+                           + (f"failed their check ({slot.reason})" if slot.down.is_set() else
+                              f"were not verified within rollout.timeout_s={self.cfg.timeout_s:g}s"))
+
     async def _acquire(self, n: int) -> _Slot:
         async with self._changed:
             while True:
@@ -431,11 +452,17 @@ class EngineFleet(RolloutEngine):
 
     def _reopen(self, slot: _Slot) -> None:
         slot.down.clear()
+        slot.verified.set()
         self._notify()
+
+    async def _unverify(self, slot: _Slot) -> None:
+        slot.verified.clear()
 
     async def _make_condition(self) -> asyncio.Condition:
         for slot in self._slots:
             slot.down = asyncio.Event()
+            slot.verified = asyncio.Event()
+            slot.verified.set()
         return asyncio.Condition()
 
     def _run(self, coro):
@@ -470,8 +497,12 @@ class EngineFleet(RolloutEngine):
 
     def resume_paused(self, engine: RolloutEngine) -> None:
         """While the fleet is paused (partial rollouts across a weight sync): let ``engine`` run
-        again, its new weights loaded (the sync's probe needs it to compute). Raises EngineError."""
+        again, its new weights loaded but not verified yet (the sync's probe needs it to compute: a
+        server paused in mode keep schedules nothing, a probe included). Until :meth:`admit`, what
+        it returns is held; if it fails the sync instead, its requests are re-sent. Raises
+        EngineError."""
         if self._paused:
+            self._run(self._unverify(self._slot(engine)))
             engine.resume()
 
     def sleep(self) -> None:

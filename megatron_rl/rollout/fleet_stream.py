@@ -6,9 +6,14 @@ finishes. Requests are named, so leftovers can be stopped (``abort``: the fleet 
 servers drop them through ``/abort_requests``). Partial rollouts: before a weight update the servers
 freeze what they are generating (``/pause?mode=keep``); the weight sync loads the new weights, resets
 every cached block, frozen requests' included (they are recomputed with the new weights), labels the
-new version and resumes each server once its weights are checked (before its probe); whatever is
-still paused afterwards (a server that failed the sync) is resumed by ``after_weight_update``. vLLM labels each output token with the
-version that sampled it, which the server handle returns as the completions' ``version_spans``.
+new version and resumes each server once its weights are checked, before its probe: a server
+paused in mode keep schedules nothing (vLLM's ``PAUSED_ALL``), the probe's request included, so the
+probe can only run once the server runs again. What a server returns between its resume and its
+probe's verdict is held by the fleet (:meth:`EngineFleet.resume_paused`) until the sync admits it,
+and re-sent to the other servers if it fails instead: no token of unverified weights reaches a step.
+Whatever is still paused afterwards (a server that failed the sync) is resumed by
+``after_weight_update``. vLLM labels each output token with the version that sampled it, which the
+server handle returns as the completions' ``version_spans``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ processed log-probs, a weight-transfer backend, and a batch-token budget of ``ma
 max_model_len`` (seeded requests crash vLLM-CPU when a prefill is chunked). External servers need
 the same settings (README: "external").
 Each server runs in its own session, so stopping it kills its whole process group (API server,
-EngineCore, workers: killing only the API server would orphan the others).
+EngineCore, workers: killing only the API server would orphan the others), and under the lifeline of
+the process that started it (:mod:`megatron_rl.rollout.lifeline`): when that process dies, however
+(``kill -9`` included), the server's process group dies with it.
 
 :class:`EngineLauncher` starts a node's servers concurrently, waits until they answer, registers
 them (:mod:`megatron_rl.rollout.registry`), and, while :meth:`EngineLauncher.supervise` runs,
@@ -32,6 +34,7 @@ from pathlib import Path
 
 from megatron_rl.rollout.base import EngineDied, EngineError, EngineTimeout
 from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.lifeline import owned
 from megatron_rl.rollout.registry import EngineRecord, EngineRegistry, engine_name
 from megatron_rl.rollout.server import server_healthy
 
@@ -119,7 +122,8 @@ class ServerSpec:
 
 
 class ServerProcess:
-    """One server process (its own session: :meth:`kill` signals its whole process group)."""
+    """One server process (its own session: :meth:`kill` signals its whole process group), owned by
+    the process that starts it: it dies when that process does (:mod:`megatron_rl.rollout.lifeline`)."""
 
     def __init__(self, spec: ServerSpec):
         self.spec = spec
@@ -139,7 +143,7 @@ class ServerProcess:
             spec.port = free_port(spec.host)
         out = open(spec.log_path, "ab") if spec.log_path else subprocess.DEVNULL
         try:
-            self.proc = subprocess.Popen(spec.command(), env=spec.environment(), stdout=out,
+            self.proc = subprocess.Popen(owned(spec.command(), os.getpid()), env=spec.environment(), stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
         finally:

@@ -294,8 +294,10 @@ class ServerWeightSync(WeightSync):
         computes with the new weights), then admit it. Returns its probe gap (None: no probe).
 
         Partial rollouts (the fleet paused with mode keep for the sync): the engine resumes before
-        the probe, which must run; its frozen requests continue then, with the new weights (the
-        reset dropped their KV, so it is recomputed), under the new version's label."""
+        the probe, which a server paused in mode keep would not schedule; its frozen requests
+        continue then, with the new weights (the reset dropped their KV, so it is recomputed), under
+        the new version's label, and the fleet holds what they return until :meth:`admit` (or
+        re-sends them if the probe fails)."""
         engine.reset_prefix_cache()  # cached blocks (running requests' too) hold the old weights' KV
         engine.set_weight_version(version)
         for check in self.checks:

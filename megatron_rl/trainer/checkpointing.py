@@ -162,10 +162,12 @@ def begin_stage(ctx: Context, stage: StageConfig) -> tuple[TrainerState, PromptL
     if state.entropy_controller:
         ctx.entropy_ctl.load_state_dict(state.entropy_controller)
     restore_rng(state.rng)
-    if resume or state.weight_version:
-        # The engine must hold the weights this stage starts from, under their own version (a
-        # version names weights: rollouts saved with a checkpoint keep their staleness).
-        sync_weights(ctx, state.weight_version)
+    # The engines must hold the weights this stage starts from, under their own version (a version
+    # names weights: rollouts saved with a checkpoint keep their staleness). At version 0 too (the
+    # base model): servers the trainer did not start itself (placement external, or already running)
+    # may hold anything, another run's weights included, so they are synced and (sync.verify)
+    # probed before the first rollout, whatever they report.
+    sync_weights(ctx, state.weight_version)
     return state, loader
 
 

@@ -57,6 +57,18 @@ def probe_reference(ctx: Context):
     return probe.ProbeReference(tokens=tokens, logprobs=[float(x) for x in mine.tolist()], tolerance=tolerance)
 
 
+def record_eval(ctx: Context, key: str, max_tokens: int) -> dict:
+    """:func:`evaluate`, kept in the run state under ``key`` (``start``, a stage's name), every
+    answer in ``RUN_DIR/eval/<key>.jsonl``."""
+    m = evaluate(ctx, max_tokens, answers=ctx.run.root / "eval" / f"{key}.jsonl")
+    if ctx.is_driver and m:
+        rs = ctx.run.read_run_state()
+        rs.setdefault("eval", {})[key] = m
+        ctx.run.write_run_state(rs)
+        log.info("eval [%s]: accuracy %.3f on %d held-out problems", key, m["eval/accuracy"], int(m["eval/n"]))
+    return m
+
+
 def evaluate(ctx: Context, max_tokens: int, records: list[PromptRecord] | None = None,
              prefix: str = "eval", answers: Path | None = None) -> dict:
     """Greedy accuracy on the held-out set (driver only; other ranks return {}). ``answers``: a

@@ -19,7 +19,7 @@ from megatron_rl.trainer.async_rollout import RolloutScheduler, open_rollouts
 from megatron_rl.trainer.checkpointing import begin_stage, ensure_reference, finish_stage, save_checkpoint
 from megatron_rl.trainer.config import StageConfig
 from megatron_rl.trainer.context import Context
-from megatron_rl.trainer.evaluate import evaluate, sync_weights
+from megatron_rl.trainer.evaluate import evaluate, record_eval, sync_weights
 from megatron_rl.trainer.no_update import NoUpdateStop, NoUpdateWatch, no_update_reason
 from megatron_rl.trainer.state import RunDir, TrainerState
 
@@ -52,10 +52,14 @@ class StepTimer:
         return out
 
 
-def train_stage(ctx: Context, stage: StageConfig) -> None:
+def train_stage(ctx: Context, stage: StageConfig, *, eval_start: bool = False) -> None:
+    """One stage, from where it starts (or resumes); ``eval_start``: first the held-out evaluation
+    of the weights it starts from (the run's ``start``)."""
     cfg = ctx.cfg
     ensure_reference(ctx)
-    state, loader = begin_stage(ctx, stage)
+    state, loader = begin_stage(ctx, stage)  # the engines now hold the weights it starts from
+    if eval_start:
+        record_eval(ctx, "start", stage.max_response_len)
     rollouts = open_rollouts(ctx, stage, state, loader)  # the driver's source of rollouts (rollout.async)
     try:
         with StageProgress(stage.name, stage.max_steps, state.step, enabled=ctx.is_driver and cfg.tracking.console) as bar:

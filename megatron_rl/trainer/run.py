@@ -6,23 +6,13 @@ import json
 import logging
 
 from megatron_rl.trainer.context import Context
-from megatron_rl.trainer.evaluate import evaluate
+from megatron_rl.trainer.evaluate import record_eval
 from megatron_rl.trainer.grpo import train_stage
 from megatron_rl.trainer.sft import run_sft, run_sft_control
 from megatron_rl.trainer.state import RunDir
 from megatron_rl.trainer.stop import REQUEUE_EXIT_CODE
 
 log = logging.getLogger("megatron_rl")
-
-
-def _record_eval(ctx: Context, key: str, max_tokens: int) -> dict:
-    m = evaluate(ctx, max_tokens, answers=ctx.run.root / "eval" / f"{key}.jsonl")
-    if ctx.is_driver and m:
-        rs = ctx.run.read_run_state()
-        rs.setdefault("eval", {})[key] = m
-        ctx.run.write_run_state(rs)
-        log.info("eval [%s]: accuracy %.3f on %d held-out problems", key, m["eval/accuracy"], int(m["eval/n"]))
-    return m
 
 
 def nothing_left(cfg, only_stage: str | None = None) -> bool:
@@ -51,17 +41,18 @@ def run(ctx: Context, only_stage: str | None = None) -> int:
             run_sft(ctx)
             if ctx.stop_agreed():
                 return REQUEUE_EXIT_CODE
-        if first and not ctx.run.read_run_state().get("eval", {}).get("start"):
-            _record_eval(ctx, "start", cfg.stages[0].max_response_len)
+        # The start evaluation scores the weights the first stage starts from (trainer.init_from, the
+        # cold start's, or the base model's), once the stage has loaded them into the engines.
+        eval_start = first and not ctx.run.read_run_state().get("eval", {}).get("start")
         for stage in stages:
             if ctx.is_driver and stage.name in ctx.run.read_run_state()["finished_stages"]:
                 log.info("stage %s already finished; skipping", stage.name)
                 continue
-            train_stage(ctx, stage)
+            train_stage(ctx, stage, eval_start=eval_start and stage.name == cfg.stages[0].name)
             if ctx.stop_agreed():
                 log.warning("stopped on a signal; exit %d asks the scheduler to requeue", REQUEUE_EXIT_CODE)
                 return REQUEUE_EXIT_CODE
-            _record_eval(ctx, stage.name, stage.max_response_len)
+            record_eval(ctx, stage.name, stage.max_response_len)
         if cfg.sft.enabled and cfg.sft.control and not only_stage:
             control(ctx)
         if ctx.is_driver:

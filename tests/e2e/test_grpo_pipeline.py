@@ -177,14 +177,48 @@ OFF_POLICY = [
 ]
 
 
+def _hf_eval(hf_dir: Path, run_dir: Path, overrides: list[str], max_tokens: int) -> dict:
+    """The start evaluation's figures, from transformers' greedy decoding (an argmax loop) with the
+    weights in ``hf_dir``, on the run's held-out prompts, scored by the run's reward."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_rl.rewards import RewardManager
+    from megatron_rl.trainer.context import load_run_data
+    from megatron_rl.trainer.phases import reward_item
+    from megatron_rl.trainer.schema import load_run_config
+    from tests.integration.rollout.hf_ref import hf_greedy
+
+    cfg = load_run_config(REPO / "configs/demo_cpu.yaml", [*overrides, f"trainer.run_dir={run_dir}"])
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    records = load_run_data(cfg, tokenizer)[2]
+    outs = [hf_greedy(hf, r.prompt_ids, max_tokens) for r in records]
+    texts = [tokenizer.decode(o, skip_special_tokens=True) for o in outs]
+    mgr = RewardManager(cfg.reward)
+    try:
+        scores, _ = mgr.score([reward_item(r, t) for r, t in zip(records, texts)])
+    finally:
+        mgr.close()
+    eos = tokenizer.eos_token_id
+    return {"eval/accuracy": sum(x >= cfg.algo.correct_reward for x in scores) / len(outs),
+            "eval/truncation_ratio": sum(len(o) == max_tokens and o[-1] != eos for o in outs) / len(outs),
+            "eval/response_length_mean": sum(len(o) for o in outs) / len(outs), "eval/n": float(len(outs))}
+
+
 def test_off_policy_path_at_t07_from_the_finished_run(finished_run, tmp_path):
     """Old log-probs recomputed at the sampling temperature: before the first optimizer step the
     policy IS the old policy (ratio 1 to fp32 noise) and equals the engine (small train-inference
-    gap); the second pass is off-policy (ratio moves). The KL reference is the run's start."""
+    gap); the second pass is off-policy (ratio moves). The KL reference is the run's start. The
+    start evaluation scores the trainer.init_from weights (transformers' greedy output with them)."""
     run_dir = tmp_path / "offp"
-    proc = _train(run_dir, *BASE, *OFF_POLICY,
-                  f"trainer.init_from={finished_run / 'stage3_24' / 'final'}")
+    init = finished_run / "stage3_24" / "final"
+    proc = _train(run_dir, *BASE, *OFF_POLICY, f"trainer.init_from={init}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    start = json.loads((run_dir / "run_state.json").read_text())["eval"]["start"]
+    want = _hf_eval(init / "hf", run_dir, [*BASE, *OFF_POLICY], max_tokens=12)
+    assert start == pytest.approx(want), (start, want)
+    base = _hf_eval(run_dir / "base_model", run_dir, [*BASE, *OFF_POLICY], max_tokens=12)
+    assert base != pytest.approx(want), "the base and the init_from weights evaluate alike: no check"
     rows = [r for r in _rows(run_dir) if r["stage"] == "offp"]
     assert len(rows) == 2
     for r in rows:

@@ -1,6 +1,8 @@
 """The rollout fleet on real vLLM servers: three server processes bound to 127.0.0.2/3/4 (standing
 for three hosts), started once for the whole module by one EngineLauncher (which also restarts a
-server that dies), found through the engine registry, driven through vLLM's completions and RL routes.
+server that dies) in a trainer-like owner process (fleet_owner.py), found through the engine
+registry, driven through vLLM's completions and RL routes. The module's last test kills that owner
+with SIGKILL: every server it started, the one its supervisor thread restarted too, must die with it.
 
 References: one server alone (the fleet must sample exactly what it samples, whichever engine serves
 a prompt); Hugging Face transformers with the weights sent (greedy tokens equal, sampled-token
@@ -11,7 +13,11 @@ with SIGKILL mid-generation (its process group, as a lost node), a server stoppe
 from __future__ import annotations
 
 import os
+import pickle
+import select
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -26,16 +32,18 @@ from megatron_rl.demo import TinySpec, write_tiny_model  # noqa: E402
 from megatron_rl.rollout import EngineError, SamplingSpec, connect_fleet  # noqa: E402
 from megatron_rl.rollout.config import RolloutConfig  # noqa: E402
 from megatron_rl.rollout.fleet import EngineFleet, EngineState  # noqa: E402
-from megatron_rl.rollout.launcher import EngineLauncher, node_specs  # noqa: E402
+from megatron_rl.rollout.launcher import node_specs  # noqa: E402
 from megatron_rl.rollout.registry import EngineRegistry  # noqa: E402
-from megatron_rl.rollout.server import VLLMServer  # noqa: E402
+from megatron_rl.rollout.server import VLLMServer, server_healthy  # noqa: E402
 from megatron_rl.sync import SyncConfig, SyncMismatch, build_weight_sync  # noqa: E402
 from megatron_rl.sync import gloo  # noqa: E402
 from megatron_rl.sync.base import UNKNOWN_VERSION, server_args  # noqa: E402
 from megatron_rl.sync.probe import ProbeReference, probe_length, probe_tokens  # noqa: E402
+from tests.procs import live_in_group, wait_groups_gone  # noqa: E402
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[3]
+OWNER = Path(__file__).resolve().parent / "fleet_owner.py"
 
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 NAMES = [f"h{h.rsplit('.', 1)[1]}-0" for h in HOSTS]
@@ -56,9 +64,44 @@ def _cfg(**kw) -> RolloutConfig:
     return RolloutConfig(**{**base, **kw})
 
 
+class Servers:
+    """The module's servers, as their owner process runs them (where each is now: the registry)."""
+
+    def __init__(self, owner: subprocess.Popen, registry: EngineRegistry):
+        self.owner, self.registry = owner, registry
+        self.seen: set[int] = set()  # every server process group seen (cleaned up at the end)
+
+    def pid(self, i: int) -> int | None:
+        rec = self.registry.records().get(NAMES[i])
+        if rec is not None:
+            self.seen.add(rec.pid)
+        return rec.pid if rec is not None else None
+
+    def signal(self, i: int, sig: int) -> None:
+        """``sig`` to server i's whole process group (API server, EngineCore, worker)."""
+        os.killpg(self.pid(i), sig)
+
+    def healthy(self, i: int) -> bool:
+        rec = self.registry.records().get(NAMES[i])
+        return rec is not None and server_healthy(rec.url)
+
+
+def _start_owner(specs, root: Path, registry: EngineRegistry, timeout_s: float = 330.0) -> subprocess.Popen:
+    (root / "specs.pkl").write_bytes(pickle.dumps(specs))
+    owner = subprocess.Popen([sys.executable, str(OWNER), str(root / "specs.pkl"), str(registry.dir)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout_s
+    while not select.select([owner.stdout], [], [], 1.0)[0]:
+        assert owner.poll() is None, f"the servers' owner exited with {owner.returncode} (logs: {root / 'logs'})"
+        assert time.monotonic() < deadline, f"the servers did not answer within {timeout_s:g} s"
+    assert owner.stdout.readline().strip() == "ready", f"the servers' owner failed (logs: {root / 'logs'})"
+    return owner
+
+
 @pytest.fixture(scope="module")
 def fleet_env(tmp_path_factory):
-    """Three servers (one per emulated host), registered; yields (model dir, launcher, registry dir)."""
+    """Three servers (one per emulated host), registered; yields the model dir, the servers and their
+    owner, the registry dir, the transformers model."""
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("fleet")
@@ -71,15 +114,27 @@ def fleet_env(tmp_path_factory):
                             max_model_len=MAX_MODEL_LEN, extra_args=args, env={**env, "OMP_NUM_THREADS": "1"},
                             log_dir=str(root / "logs"))
     registry = EngineRegistry(root / "engines")
-    launcher = EngineLauncher(specs, registry=registry, start_timeout_s=300.0)
+    owner = _start_owner(specs, root, registry)  # all three at once; its supervisor restarts one that dies
+    servers = Servers(owner, registry)
     try:
-        launcher.start()  # all three at once
-        launcher.supervise_in_background()  # restarts a server that dies
+        for i in range(len(NAMES)):
+            servers.pid(i)
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-        yield {"model": model, "launcher": launcher, "registry": str(registry.dir), "hf": hf, "root": root,
+        yield {"model": model, "servers": servers, "registry": str(registry.dir), "hf": hf, "root": root,
                "version": 0}
     finally:
-        launcher.stop()
+        for i in range(len(NAMES)):
+            servers.pid(i)
+        if owner.poll() is None:
+            owner.stdin.close()  # it stops its servers
+            try:
+                owner.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                owner.kill()
+                owner.wait()
+        for pgid in servers.seen:  # whatever of them is left
+            if live_in_group(pgid):
+                os.killpg(pgid, signal.SIGKILL)
 
 
 def _amplify_layers(model: str, factor: float = 4.0) -> None:
@@ -101,7 +156,7 @@ def _fleet(env, **kw) -> EngineFleet:
 
 
 def _survivors(env, **kw) -> EngineFleet:
-    """The engines other than the one the kill test killed (while its launcher restarts it)."""
+    """The engines other than the one the kill test killed (while its owner restarts it)."""
     return connect_fleet(_cfg(num_engines=2, **kw), registry_dir=env["registry"], names=[NAMES[0], NAMES[2]])
 
 
@@ -196,7 +251,7 @@ def test_fleet_samples_exactly_what_one_server_samples(fleet_env):
 
 
 def test_fleet_kill9_mid_generation_requeues_with_the_same_samples(fleet_env):
-    launcher = fleet_env["launcher"]
+    servers = fleet_env["servers"]
     one = _one_server(fleet_env)
     want = one.generate(PROMPTS, SAMPLE)
     one.close()
@@ -204,6 +259,7 @@ def test_fleet_kill9_mid_generation_requeues_with_the_same_samples(fleet_env):
     fleet = _fleet(fleet_env, max_inflight_seqs=8, hedge_after=0.0)
     assert all(e.weight_version == fleet_env["version"] for e in fleet.engines)  # what the servers report
     victim = fleet.engines[1]
+    fleet_env["killed_pid"] = servers.pid(1)
     real_submit, state = victim.submit, {"calls": 0, "outstanding": 0, "at_kill": None}
 
     async def submit(prompt_ids, sampling):
@@ -212,7 +268,7 @@ def test_fleet_kill9_mid_generation_requeues_with_the_same_samples(fleet_env):
         try:
             if state["calls"] == 2:  # a second request is in flight on it: kill the whole server
                 state["at_kill"] = state["outstanding"]
-                launcher.servers[1].signal(signal.SIGKILL)
+                servers.signal(1, signal.SIGKILL)
             return await real_submit(prompt_ids, sampling)
         finally:
             state["outstanding"] -= 1
@@ -228,8 +284,8 @@ def test_fleet_kill9_mid_generation_requeues_with_the_same_samples(fleet_env):
     assert metrics["rollout/requeued_requests"] == state["at_kill"] >= 2
     assert metrics["rollout/engines_down"] == 1
     assert NAMES[1] not in {c.engine for g in got for c in g}
-    # (its launcher restarts it while the next tests run on the other two; the re-admission test
-    # syncs and re-admits it)
+    # (its owner's supervisor restarts it while the next tests run on the other two; the
+    # re-admission test syncs and re-admits it)
 
 
 def test_fleet_gloo_sync_through_vllm_rl_routes_matches_transformers(fleet_env):
@@ -307,7 +363,7 @@ def test_fleet_sync_names_a_bucket_corrupted_in_flight_then_recovers(fleet_env, 
 
 
 def test_fleet_detects_a_stopped_server_within_the_timeout_and_completes(fleet_env):
-    launcher = fleet_env["launcher"]
+    servers = fleet_env["servers"]
     timeout_s = 6.0
     one = _one_server(fleet_env)
     want = one.generate(PROMPTS, SAMPLE)
@@ -321,7 +377,7 @@ def test_fleet_detects_a_stopped_server_within_the_timeout_and_completes(fleet_e
     async def submit(prompt_ids, sampling):
         state["calls"] += 1
         if state["calls"] == 2:
-            launcher.servers[2].signal(signal.SIGSTOP)
+            servers.signal(2, signal.SIGSTOP)
             state["t_stop"] = time.monotonic()
         return await real_submit(prompt_ids, sampling)
 
@@ -335,7 +391,7 @@ def test_fleet_detects_a_stopped_server_within_the_timeout_and_completes(fleet_e
         assert detected < timeout_s + 5, detected
         assert metrics["rollout/requeued_requests"] >= 1
     finally:
-        launcher.servers[2].signal(signal.SIGCONT)
+        servers.signal(2, signal.SIGCONT)
         fleet.close()
     # once it answers again it rejoins (and takes part in the next sync)
     fleet = _survivors(fleet_env)
@@ -366,10 +422,11 @@ def test_fleet_pause_keep_freezes_requests_and_resume_finishes_them_unchanged(fl
 
 
 def test_fleet_readmits_the_restarted_server_after_a_sync(fleet_env):
-    hf, launcher = fleet_env["hf"], fleet_env["launcher"]
+    hf, servers = fleet_env["hf"], fleet_env["servers"]
+    killed = fleet_env.get("killed_pid")
     deadline = time.monotonic() + 240
-    while launcher.restarts < 1 or not launcher.servers[1].healthy():
-        assert time.monotonic() < deadline, "the launcher did not bring the killed server back"
+    while servers.pid(1) in (None, killed) or not servers.healthy(1):
+        assert time.monotonic() < deadline, "the owner's supervisor did not bring the killed server back"
         time.sleep(1.0)
     # (tail hedging off: the restarted server's first requests are slow, hedged copies could answer them all)
     fleet = _fleet(fleet_env, hedge_after=0.0)  # the registry lists it again, at its new process
@@ -459,6 +516,89 @@ def test_async_fleet_partial_rollouts_span_a_weight_update_and_match_each_versio
                 assert torch.allclose(got_lp[sel], ref[sel], atol=2e-4, rtol=0), (version, (got_lp - ref)[sel])
     finally:
         hf.load_state_dict(states[v0 + 1])
+
+
+def test_async_fleet_holds_what_a_server_returns_before_its_probe_passed(fleet_env):
+    """vLLM's pause in mode keep (PAUSED_ALL) schedules nothing, a probe's request included, so each
+    server resumes before its probe (checked first, on a real server). What a server returns between
+    its /resume and the probe's verdict must not reach the caller before the verdict: here one server
+    scores the probe wrongly (as one computing with stale weights would), after its frozen requests
+    have all finished. None of those results is delivered; those requests are re-sent to the two
+    servers that passed, and every token of theirs is sampled by the verified new weights."""
+    from megatron_rl.rollout.base import EngineTimeout
+    from megatron_rl.rollout.fleet_stream import FleetStream
+
+    hf = fleet_env["hf"]
+    fleet = _fleet(fleet_env)
+    sync = _sync(fleet_env, fleet)
+    stream = FleetStream(fleet)
+    v0 = fleet_env["version"]
+    victim = fleet.engines[0]
+    prompts, got = PROMPTS[:12], {}
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=MAX_MODEL_LEN - 8, seed=21)
+    sent_to_victim, returned_by_victim = [], []
+    real_submit, real_score = victim.submit, victim.score
+
+    async def submit(prompt_ids, sampling, **kw):
+        sent_to_victim.append(prompt_ids)
+        out = await real_submit(prompt_ids, sampling, **kw)
+        returned_by_victim.append(prompt_ids)
+        return out
+
+    def stale_score(tokens):  # the window: its frozen requests all finish before the verdict
+        deadline = time.monotonic() + 30
+        while len(returned_by_victim) < len(sent_to_victim):
+            assert time.monotonic() < deadline, "the victim's requests did not finish after its resume"
+            time.sleep(0.01)
+        return [x - 1.0 for x in real_score(tokens)]
+
+    try:
+        fleet.pause("keep")  # a paused server does not score the probe
+        with pytest.raises(EngineTimeout):
+            paused = VLLMServer(victim.url, _cfg(timeout_s=2.0), name=victim.name)
+            paused.score(probe_tokens(hf.config.vocab_size, 16))
+        fleet.resume()
+        victim.submit, victim.score = submit, stale_score
+        base = _server_counter(fleet, "vllm:generation_tokens_total")
+        stream.submit(prompts, spec, list(range(12)), got.update)
+        deadline = time.monotonic() + 60
+        while _server_counter(fleet, "vllm:generation_tokens_total") == base or not sent_to_victim:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        stream.before_weight_update()
+        frozen = [p for p in sent_to_victim if p not in returned_by_victim]  # in flight at the pause
+        assert frozen, "the victim finished everything before the pause: no window to test"
+        _retrain(hf, seed=11)
+        sync.set_probe(_probe(hf))
+        m = sync.sync(_named(hf), version=v0 + 1)
+        stream.after_weight_update()
+        assert m.engines == 2 and list(m.failures) == [victim.name], m.failures
+        assert fleet.state(victim) is EngineState.JOINING
+        while len(got) < 12:
+            assert time.monotonic() < deadline, f"{len(got)} of 12 groups came back"
+            time.sleep(0.01)
+        requeued = fleet.pop_metrics()["rollout/requeued_requests"]
+        # every request frozen on the victim came back from it inside the window; none was delivered
+        assert len(returned_by_victim) == len(sent_to_victim) and requeued >= len(frozen)
+        for k, p in enumerate(prompts):
+            engines = {c.engine for c in got[k]}
+            if p not in frozen:  # finished before the pause, or never on the victim: as sampled
+                assert p in returned_by_victim or victim.name not in engines
+                continue
+            assert victim.name not in engines, (k, engines)
+            for c in got[k]:  # re-sent after the others passed: sampled by the new weights alone
+                assert set(c.token_versions()) == {v0 + 1}
+                ref = hf_logprobs(hf, prompts[k], c.token_ids)
+                assert torch.allclose(torch.tensor(c.logprobs, dtype=torch.float64), ref, atol=2e-4, rtol=0)
+        # it rejoins at the next sync, which verifies it
+        victim.submit, victim.score = real_submit, real_score
+        m = sync.sync(_named(hf), version=v0 + 2)
+        fleet_env["version"] = v0 + 2
+        assert m.complete and m.engines == 3 and fleet.state(victim) is EngineState.UP
+    finally:
+        victim.submit, victim.score = real_submit, real_score
+        sync.close()
+        fleet.close()
 
 
 def test_async_fleet_aborts_leftovers_on_the_servers(fleet_env):
@@ -574,16 +714,26 @@ def test_async_fleet_trainer_one_step_off_with_partial_rollouts_and_oversampling
     """`megatron-rl train` on the three servers with rollout.async (one-step-off, partial rollouts,
     50% oversampling): every step trains rollout_batch_size groups, none more than one version old
     (from the logged per-sample versions); no server is left paused, and each ends with the run's
-    final weights."""
+    final weights. No cold start: the stage starts from the base model at weight version 0 while
+    the (external) servers hold other weights, so the trainer must sync them before its first
+    rollout: the first step's samples are scored by the trainer as the engines sampled them."""
     import json
     import sys
 
     from transformers import AutoModelForCausalLM
 
+    from megatron_rl.tracking.rollouts import read_rollouts
+
     run = tmp_path / "async"
     urls = [r.url for r in EngineRegistry(fleet_env["registry"]).records().values()]
-    # (a short SFT first: its weights are synced to the servers, which served other weights before)
-    _train([sys.executable, "-m", "megatron_rl.cli"], run, fleet_env["model"], "sft.max_steps=2",
+    fleet = _fleet(fleet_env)  # the servers hold other weights than the base model, at another version
+    sync = _sync(fleet_env, fleet)
+    try:
+        assert sync.sync(_named(fleet_env["hf"]), version=fleet_env["version"] + 1).complete
+    finally:
+        sync.close()
+        fleet.close()
+    _train([sys.executable, "-m", "megatron_rl.cli"], run, fleet_env["model"], "sft.enabled=false",
            "stages=[{name: s1, max_response_len: 12, max_steps: 4}]", "rollout.engine=vllm_server",
            "rollout.placement=external", f"rollout.server_urls=[{','.join(urls)}]", "rollout.max_num_seqs=16",
            "sync.transport=gloo", "sync.bucket_bytes=65536", "rollout.async.max_staleness=1",
@@ -599,6 +749,9 @@ def test_async_fleet_trainer_one_step_off_with_partial_rollouts_and_oversampling
         assert len(s["versions"]) == 8 * 4
         assert all(0 <= s["trainer_version"] - oldest <= 1 and newest <= s["trainer_version"]
                    for oldest, newest in s["versions"]), s
+    first = read_rollouts(run)
+    first = first[(first["global_step"] == 1) & first["in_batch"]]
+    assert len(first) == 8 * 4 and (first["logp_gap_max"] < 1e-3).all(), first["logp_gap_max"].max()
     fleet = connect_fleet(_cfg(placement="external", server_urls=urls))
     try:
         assert all(not e.is_paused() for e in fleet.engines)
@@ -608,3 +761,23 @@ def test_async_fleet_trainer_one_step_off_with_partial_rollouts_and_oversampling
             _assert_matches_hf(engine, final, version=version)
     finally:
         fleet.close()
+
+
+# ------------------------------------------------------------ last: the servers die with their owner
+def test_servers_die_with_their_owner_killed_by_sigkill(fleet_env):
+    """The trainer-like process that started the three servers (and whose supervisor thread
+    restarted one of them, after the kill test) is killed with SIGKILL: every server's whole process
+    group (API server, EngineCore, worker) is gone within seconds (each server's lifeline,
+    megatron_rl.rollout.lifeline), none is left holding its ~3 GiB with parent pid 1."""
+    servers = fleet_env["servers"]
+    pgids = [servers.pid(i) for i in range(len(NAMES))]
+    assert None not in pgids, servers.registry.records()
+    if "killed_pid" in fleet_env:  # the kill test ran: this one was started by the supervisor thread
+        assert pgids[1] != fleet_env["killed_pid"]
+    for pgid in pgids:  # each is a whole server: the API server and its engine processes
+        assert len(live_in_group(pgid)) >= 2, (pgid, live_in_group(pgid))
+    servers.owner.send_signal(signal.SIGKILL)
+    servers.owner.wait(timeout=10)
+    waited, alive = wait_groups_gone(pgids, timeout_s=20)
+    assert not alive, f"server processes still alive {waited:.1f} s after their owner was killed: {alive}"
+    print(f"servers gone {waited:.1f} s after their owner was killed (load {os.getloadavg()[0]:.1f})")

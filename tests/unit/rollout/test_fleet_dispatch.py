@@ -277,3 +277,55 @@ def test_async_fleet_stream_delivers_groups_aborts_leftovers_and_freezes_across_
         assert sched.stream.in_flight() == 0 and not fleet._requests
     finally:
         fleet.close()
+
+
+class Frozen(Seeded):
+    """A server paused in mode keep: its requests make no progress until it resumes."""
+
+    def __init__(self, name):
+        super().__init__(name)
+        self.running = threading.Event()
+        self.running.set()
+
+    async def submit(self, prompt_ids, sampling):
+        while not self.running.is_set():
+            await asyncio.sleep(0.005)
+        return await super().submit(prompt_ids, sampling)
+
+    def pause(self, mode="keep"):
+        self.running.clear()
+
+    def resume(self):
+        self.running.set()
+
+
+def test_fleet_holds_what_a_resumed_engine_returns_until_its_sync_verified_it():
+    """Partial rollouts: each engine resumes before its probe (a paused server scores nothing), so
+    what it returns between its resume and the sync's verdict is held; admitted, it is delivered; if
+    it fails the sync instead, its requests are re-sent to an engine that passed, with the same seeds."""
+    engines = [Frozen("e0"), Frozen("e1")]
+    fleet = EngineFleet(engines, _cfg(room=4))
+    try:
+        fleet.pause("keep")
+        futures = [fleet.submit_threadsafe(p, SPEC.for_prompt(k)) for k, p in enumerate(PROMPTS[:4])]
+        deadline = time.monotonic() + 5
+        while sum(s.outstanding for s in fleet._slots) < 8:  # two requests on each engine, frozen
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        fleet.resume_paused(engines[1])  # e1's new weights loaded; its probe still to come
+        time.sleep(0.3)
+        assert engines[1].calls == 2 and not any(f.done() for f in futures), "delivered before the verdict"
+        fleet.admit(engines[1])  # its probe passed
+        time.sleep(0.3)
+        done = [k for k, f in enumerate(futures) if f.done()]
+        assert len(done) == 2 and all(c.engine == "e1" for k in done for c in futures[k].result())
+        fleet.resume_paused(engines[0])
+        time.sleep(0.3)
+        assert engines[0].calls == 2 and sum(f.done() for f in futures) == 2
+        fleet.mark_unknown(engines[0], "probe mismatch")  # its probe failed: the held results go
+        got = [f.result(timeout=5) for f in futures]
+        m = fleet.pop_metrics()
+    finally:
+        fleet.close()
+    assert [[c.token_ids for c in g] for g in got] == _reference()[:4]
+    assert {c.engine for g in got for c in g} == {"e1"} and m["rollout/requeued_requests"] == 2
