@@ -531,7 +531,7 @@ def test_async_fleet_holds_what_a_server_returns_before_its_probe_passed(fleet_e
     from megatron_rl.rollout.fleet_stream import FleetStream
 
     hf = fleet_env["hf"]
-    fleet = _fleet(fleet_env)
+    fleet = _fleet(fleet_env, hedge_after=0.0)  # (tail hedging off: this test counts re-sent requests)
     sync = _sync(fleet_env, fleet)
     stream = FleetStream(fleet)
     v0 = fleet_env["version"]
