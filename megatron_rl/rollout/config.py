@@ -102,7 +102,8 @@ class RolloutConfig(ConfigBase):
     top_p: float = ranged(1.0, gt=0.0, le=1.0)
     # -1 disables top-k.
     top_k: int = ranged(-1, ge=1, also=(-1,))
-    # Maximum response length in tokens; each stage overrides it (8k -> 16k -> 32k in the recipe).
+    # Maximum response length in tokens of a stage that does not set its own (stages[i].max_response_len:
+    # 8k -> 16k -> 32k in the recipe).
     max_response_len: int = ranged(64, ge=1)
     # Maximum prompt length in tokens (longer prompts are filtered by the data loader).
     max_prompt_len: int = ranged(64, ge=1)

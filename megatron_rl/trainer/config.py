@@ -23,8 +23,8 @@ class StageConfig(ConfigBase):
 
     # Stage name; its directory under the run dir is named after it.
     name: str
-    # Maximum response length in tokens during this stage (overrides rollout.max_response_len).
-    max_response_len: int = ranged(ge=1)
+    # Maximum response length in tokens during this stage; null (or omitted): rollout.max_response_len.
+    max_response_len: int | None = ranged(None, ge=1)
     # GRPO steps in this stage (the step budget).
     max_steps: int = ranged(ge=1)
     # Optional early end on a validation-accuracy plateau.

@@ -70,14 +70,22 @@ def node_launcher(cfg: RunConfig, model_path: str, *, node: str | None = None, h
                           start_timeout_s=cfg.rollout.start_timeout_s)
 
 
-def start_colocated(cfg: RunConfig, model_path: str, groups: ParallelGroups) -> EngineLauncher | None:
-    """The node's first trainer process starts the node's engines, unless a node launcher did."""
+def colocated_launcher(cfg: RunConfig, model_path: str) -> EngineLauncher | None:
+    """The engines this trainer process must start itself (not started yet): the node's, when the
+    servers are colocated, this is the node's first trainer process and no node launcher did."""
     r = cfg.rollout
     if r.engine != "vllm_server" or r.placement != "colocated" or os.environ.get(LAUNCHED_ENV):
         return None
     if int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return None
-    launcher = node_launcher(cfg, model_path)
+    return node_launcher(cfg, model_path)
+
+
+def start_colocated(cfg: RunConfig, model_path: str, groups: ParallelGroups) -> EngineLauncher | None:
+    """The node's first trainer process starts the node's engines, unless a node launcher did."""
+    launcher = colocated_launcher(cfg, model_path)
+    if launcher is None:
+        return None
     launcher.start(wait=False)  # they boot while the policy is built
     log.info("started this node's %d rollout engines (colocated)", len(launcher.servers))
     return launcher

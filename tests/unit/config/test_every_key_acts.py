@@ -13,8 +13,10 @@ observable before and after:
   sandboxed program, the judge server); tracking: what W&B is started with and the files written;
   the demo's inputs: the files written;
 * ``policy.*``: with the real Megatron policy in ``tests/integration/models/test_policy_keys_act.py``;
-* the rollout engines' set-up and the sync transfer's keys (``AWAITING_FLEET``): not walked yet (they
-  need the vLLM-server fleet's real engines).
+* the rollout engines' set-up, placement, timeouts, dispatch and the weight transfer's keys
+  (``FLEET_KEYS``, in ``fleet_keys.py``): on real vLLM servers in
+  ``tests/integration/rollout/test_fleet.py`` (an engine in the trainer's process gets the tensors
+  directly whatever sync.transport says).
 """
 
 from __future__ import annotations
@@ -32,23 +34,11 @@ import pytest
 import torch
 
 import fake_run
+from fleet_keys import FLEET_KEYS
 from megatron_rl.config.reference import leaf_keys
 from megatron_rl.trainer.schema import RunConfig, load_run_config
 
 INTEGRATION_SECTIONS = ("policy.",)  # walked by tests/integration/models/test_policy_keys_act.py
-# Not walked yet: the engines' set-up and the weight transfer's keys act only on real engines (an
-# engine in the trainer's process gets the tensors directly whatever sync.transport says). The
-# vLLM-server fleet (issue 11) that they configure has landed; their probes (on the fleet's servers)
-# are still to be written. A key in this set must still exist, and a new key cannot hide here: the
-# walk fails on any other key without a probe.
-AWAITING_FLEET = frozenset({
-    "rollout.engine", "rollout.num_engines", "rollout.max_response_len", "rollout.dtype",
-    "rollout.kv_cache_bytes", "rollout.gpu_memory_utilization", "rollout.tensor_parallel_size",
-    "rollout.enforce_eager", "rollout.max_num_seqs", "rollout.timeout_s",
-    "rollout.async.partial_rollout", "rollout.placement", "rollout.engines_per_node",
-    "rollout.server_urls", "rollout.hosts", "rollout.registry_dir", "rollout.start_timeout_s",
-    "rollout.control_timeout_s", "rollout.max_inflight_seqs", "rollout.hedge_after",
-    "sync.transport", "sync.bucket_bytes", "sync.timeout_s", "sync.master_addr", "sync.retries"})
 
 
 @dataclass
@@ -516,6 +506,8 @@ PROBES: dict[str, Probe] = {
     "rollout.top_p": Probe("0.5", R),
     "rollout.top_k": Probe("3", R),
     "rollout.max_prompt_len": Probe("10", D),
+    # the response length of a stage that does not set its own
+    "rollout.max_response_len": Probe("2", R, ["stages=[{name: s1, max_steps: 2}, {name: s2, max_response_len: 6, max_steps: 1}]"]),
     "rollout.eval_max_tokens": Probe("3", R),
     # asynchronous GRPO: which weights sampled what, how many prompts are drawn
     "rollout.async.max_staleness": Probe("1", R),
@@ -648,14 +640,14 @@ PROBES: dict[str, Probe] = {
 
 def test_every_key_has_a_probe():
     keys = leaf_keys(RunConfig)
-    missing = [k for k in keys if k not in PROBES and k not in AWAITING_FLEET
+    missing = [k for k in keys if k not in PROBES and k not in FLEET_KEYS
                and not k.startswith(INTEGRATION_SECTIONS)]
     assert not missing, (f"config keys without a probe in {__file__}: {missing}. Say what each "
                          f"changes (a Probe: the changed value and the section's observable)")
-    stale = sorted((set(PROBES) | AWAITING_FLEET) - set(keys))
+    stale = sorted((set(PROBES) | FLEET_KEYS) - set(keys))
     assert not stale, f"probes for keys that no longer exist: {stale}"
-    both = sorted(set(PROBES) & AWAITING_FLEET)
-    assert not both, f"keys with a probe are walked: drop them from AWAITING_FLEET: {both}"
+    both = sorted(set(PROBES) & FLEET_KEYS)
+    assert not both, f"keys walked here and on the fleet (fleet_keys.py): {both}"
 
 
 def _config(overrides: list[str], tmp: Path, extra: dict) -> RunConfig:
