@@ -907,7 +907,7 @@ def test_async_fleet_partial_rollouts_span_a_weight_update_and_match_each_versio
     v0 = fleet_env["version"]
     states = {v0: {k: v.clone() for k, v in hf.state_dict().items()}}
     prompts, got = PROMPTS[:12], {}
-    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=88, seed=5)
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=MAX_MODEL_LEN - 8, seed=5)
     try:
         base = _server_counter(fleet, "vllm:generation_tokens_total")
         stream.submit(prompts, spec, list(range(12)), got.update)
