@@ -568,6 +568,7 @@ def observe_launch(cfg, env):
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from megatron_rl.rollout.launcher import ENTRY
     from megatron_rl.trainer.engines import colocated_launcher
 
     launcher = colocated_launcher(cfg, env["model"])
@@ -586,8 +587,9 @@ def observe_launch(cfg, env):
                            if b"=" in kv)
         finally:
             server.kill()
-        assert argv[1:3] == ["-m", "vllm.entrypoints.launchers.api_server.entry"], argv
-        engine_args = AsyncEngineArgs.from_cli_args(make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:]))
+        assert ENTRY in argv, argv  # vLLM's API server (under the lifeline of this process)
+        args = argv[argv.index(ENTRY) + 1:]
+        engine_args = AsyncEngineArgs.from_cli_args(make_arg_parser(FlexibleArgumentParser()).parse_args(args))
         args = {f: repr(getattr(engine_args, f)) for f in sorted(vars(engine_args)) if f not in ("port", "host")}
         servers.append({"name": server.spec.name, "args": args, "record_workers": server.record().workers,
                         "env": {k: v for k, v in environ.items() if k.startswith(("VLLM_", "CUDA_"))}})
