@@ -530,9 +530,9 @@ def _server_index(name: str) -> int:
 
 def _hang(env, name: str) -> threading.Timer:
     """Server ``name`` stops (its whole process group) and answers again HANG_S seconds later."""
-    server = env["launcher"].servers[_server_index(name)]
-    server.signal(signal.SIGSTOP)
-    timer = threading.Timer(HANG_S, server.signal, (signal.SIGCONT,))
+    servers, i = env["servers"], _server_index(name)
+    servers.signal(i, signal.SIGSTOP)
+    timer = threading.Timer(HANG_S, servers.signal, (i, signal.SIGCONT))
     timer.start()
     return timer
 
@@ -550,12 +550,12 @@ def _connections(env, name: str) -> set:
     """The TCP connections server ``name``'s processes opened (its HTTP port's excluded)."""
     import psutil
 
-    server = env["launcher"].servers[_server_index(name)]
-    root = psutil.Process(server.pid)
+    rec = EngineRegistry(env["registry"]).records()[name]
+    root = psutil.Process(rec.pid)
     out = set()
     for proc in [root, *root.children(recursive=True)]:
         for c in proc.net_connections(kind="tcp"):
-            if c.raddr and c.status == psutil.CONN_ESTABLISHED and c.laddr.port != server.spec.port:
+            if c.raddr and c.status == psutil.CONN_ESTABLISHED and c.laddr.port != rec.port:
                 out.add((c.raddr.ip, c.raddr.port))
     return out
 
