@@ -493,6 +493,323 @@ def test_fleet_sync_resets_the_prefix_cache_of_a_prompt_longer_than_a_block(flee
         fleet.close()
 
 
+# ------------------------------------------------------------ async GRPO on the fleet (rollout.async)
+def _server_counter(fleet, name: str, label: str = "") -> float:
+    """A Prometheus counter of every server (``/metrics``), summed."""
+    total = 0.0
+    for engine in fleet.engines:
+        for line in engine._call("GET", "/metrics").text.splitlines():
+            if line.startswith(name) and label in line and not line.startswith(name + "_created"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_async_fleet_partial_rollouts_span_a_weight_update_and_match_each_version(fleet_env):
+    """Partial rollouts on the servers: what is generating is frozen (/pause?mode=keep), the new
+    weights load through the RL routes, /resume continues it. A response generated across the update
+    carries tokens of both versions (vLLM's spans), and every token's log-prob equals a float64
+    teacher-forced pass (transformers) with the weights of *its own* version over the whole sequence
+    (the frozen requests' KV is recomputed with the new weights)."""
+    from megatron_rl.rollout.fleet_stream import FleetStream
+
+    hf = fleet_env["hf"]
+    fleet = _fleet(fleet_env)
+    sync = _sync(fleet_env, fleet)
+    stream = FleetStream(fleet)
+    try:  # every server on the same version first (the tests above synced some of them only)
+        assert sync.sync(_named(hf), version=_next_version(fleet_env)).complete
+    except BaseException:
+        sync.close()
+        fleet.close()
+        raise
+    v0 = fleet_env["version"]
+    states = {v0: {k: v.clone() for k, v in hf.state_dict().items()}}
+    prompts, got = PROMPTS[:12], {}
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=MAX_MODEL_LEN - 8, seed=5)
+    try:
+        base = _server_counter(fleet, "vllm:generation_tokens_total")
+        stream.submit(prompts, spec, list(range(12)), got.update)
+        deadline = time.monotonic() + 60
+        while _server_counter(fleet, "vllm:generation_tokens_total") == base:  # every engine has begun
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        stream.before_weight_update()
+        assert all(e.is_paused() for e in fleet.engines)
+        _retrain(hf, seed=7)
+        states[v0 + 1] = {k: v.clone() for k, v in hf.state_dict().items()}
+        m = sync.sync(_named(hf), version=v0 + 1)
+        fleet_env["version"] = v0 + 1
+        assert m.complete and m.engines == 3
+        stream.after_weight_update()
+        assert not any(e.is_paused() for e in fleet.engines)
+        while len(got) < 12:
+            assert time.monotonic() < deadline, f"{len(got)} of 12 groups came back"
+            time.sleep(0.01)
+        assert stream.in_flight() == 0 and stream.busy_seconds() > 0
+    finally:
+        sync.close()
+        fleet.close()
+    completions = [(prompts[i], c) for i in range(12) for c in got[i]]
+    partial = [c for _, c in completions if c.partial]
+    assert partial, "no response was generated across the weight update"
+    for c in partial:
+        v = c.token_versions()
+        assert c.weight_version == v0 and c.newest_version == v0 + 1 and v[0] == v0 and v[-1] == v0 + 1
+        assert v == sorted(v)
+    try:
+        for prompt, c in completions:
+            versions = torch.tensor(c.token_versions())
+            got_lp = torch.tensor(c.logprobs, dtype=torch.float64)
+            for version in versions.unique().tolist():
+                hf.load_state_dict(states[version])
+                ref = hf_logprobs(hf, prompt, c.token_ids)
+                sel = versions == version
+                assert torch.allclose(got_lp[sel], ref[sel], atol=2e-4, rtol=0), (version, (got_lp - ref)[sel])
+    finally:
+        hf.load_state_dict(states[v0 + 1])
+
+
+def test_async_fleet_holds_what_a_server_returns_before_its_probe_passed(fleet_env):
+    """vLLM's pause in mode keep (PAUSED_ALL) schedules nothing, a probe's request included, so each
+    server resumes before its probe (checked first, on a real server). What a server returns between
+    its /resume and the probe's verdict must not reach the caller before the verdict. The requests
+    go out while the fleet is paused for the update (they wait on the servers, so each server
+    generates them with its new weights once it resumes); one server scores the probe wrongly (as
+    one computing with stale weights would), after its requests have all finished. None of its
+    results is delivered; its requests are re-sent to the two servers that passed, and every token
+    delivered is sampled by the verified new weights (transformers' float64 log-probs with them)."""
+    from megatron_rl.rollout.base import EngineTimeout
+    from megatron_rl.rollout.fleet_stream import FleetStream
+
+    hf = fleet_env["hf"]
+    fleet = _fleet(fleet_env, hedge_after=0.0)  # (tail hedging off: this test counts re-sent requests)
+    sync = _sync(fleet_env, fleet)
+    stream = FleetStream(fleet)
+    v0 = fleet_env["version"]
+    victim = fleet.engines[0]
+    prompts, got = PROMPTS[:12], {}
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=MAX_MODEL_LEN - 8, seed=21)
+    sent_to_victim, returned_by_victim = [], []
+    real_submit, real_score = victim.submit, victim.score
+
+    async def submit(prompt_ids, sampling, **kw):
+        sent_to_victim.append(prompt_ids)
+        out = await real_submit(prompt_ids, sampling, **kw)
+        returned_by_victim.append(prompt_ids)
+        return out
+
+    def stale_score(tokens):  # the window: its requests all finish before the verdict
+        deadline = time.monotonic() + 30
+        while len(returned_by_victim) < len(sent_to_victim):
+            assert time.monotonic() < deadline, "the victim's requests did not finish after its resume"
+            time.sleep(0.01)
+        return [x - 1.0 for x in real_score(tokens)]
+
+    try:
+        stream.before_weight_update()  # paused (keep): a paused server does not score the probe
+        with pytest.raises(EngineTimeout):
+            paused = VLLMServer(victim.url, _cfg(timeout_s=2.0), name=victim.name)
+            paused.score(probe_tokens(hf.config.vocab_size, 16))
+        victim.submit, victim.score = submit, stale_score
+        stream.submit(prompts, spec, list(range(12)), got.update)
+        deadline = time.monotonic() + 60
+        while any(slot is None for _, slot in list(fleet._requests.values())) or len(fleet._requests) < 12:
+            assert time.monotonic() < deadline, "the requests were not all sent"
+            time.sleep(0.005)
+        time.sleep(0.5)  # they reach the servers, and wait there
+        frozen = list(sent_to_victim)
+        assert frozen and not returned_by_victim, "a paused server generated"
+        _retrain(hf, seed=11)
+        sync.set_probe(_probe(hf))
+        m = sync.sync(_named(hf), version=v0 + 1)
+        stream.after_weight_update()
+        assert m.engines == 2 and list(m.failures) == [victim.name], m.failures
+        assert fleet.state(victim) is EngineState.JOINING
+        while len(got) < 12:
+            assert time.monotonic() < deadline, f"{len(got)} of 12 groups came back"
+            time.sleep(0.01)
+        requeued = fleet.pop_metrics()["rollout/requeued_requests"]
+        # every request on the victim came back from it inside the window; none was delivered
+        assert len(returned_by_victim) == len(sent_to_victim) and requeued >= len(frozen)
+        for k in range(len(prompts)):
+            assert victim.name not in {c.engine for c in got[k]}, k
+            for c in got[k]:  # generated after the update (re-sent, or waiting on a server that passed)
+                assert set(c.token_versions()) == {v0 + 1}
+                ref = hf_logprobs(hf, prompts[k], c.token_ids)
+                assert torch.allclose(torch.tensor(c.logprobs, dtype=torch.float64), ref, atol=2e-4, rtol=0)
+        # it rejoins at the next sync, which verifies it
+        victim.submit, victim.score = real_submit, real_score
+        m = sync.sync(_named(hf), version=v0 + 2)
+        fleet_env["version"] = v0 + 2
+        assert m.complete and m.engines == 3 and fleet.state(victim) is EngineState.UP
+    finally:
+        victim.submit, victim.score = real_submit, real_score
+        sync.close()
+        fleet.close()
+
+
+def test_async_fleet_aborts_leftovers_on_the_servers(fleet_env):
+    """Leftovers (oversampled groups no step needs in time) are stopped on the servers: submitted
+    while the servers are paused, four of six prompts are aborted (/abort_requests); after /resume
+    the other two finish, the aborted ones never come back, and the servers generated exactly the
+    tokens of the two (an abort that did not reach a server would add its tokens)."""
+    from megatron_rl.rollout.fleet_stream import FleetStream
+
+    fleet = _fleet(fleet_env)
+    stream = FleetStream(fleet)
+    got, spec = {}, SamplingSpec(n=2, temperature=1.0, max_tokens=16, seed=9)
+    try:
+        fleet.pause("keep")  # frozen: nothing generates before the abort reaches it
+        tokens0 = _server_counter(fleet, "vllm:generation_tokens_total")
+        stream.submit(PROMPTS[:6], spec, list(range(6)), got.update)
+        assert stream.in_flight() == 6
+        time.sleep(0.5)  # the requests reach the servers
+        stream.abort([0, 1, 2, 3])
+        assert stream.in_flight() == 2 and set(fleet._requests) == set(stream._pending.values())
+        fleet.resume()
+        deadline = time.monotonic() + 60
+        while len(got) < 2:
+            assert time.monotonic() < deadline, sorted(got)
+            time.sleep(0.05)
+        time.sleep(1.0)  # an aborted request that still ran would be generating now
+        assert sorted(got) == [4, 5] and stream.in_flight() == 0 and not fleet._requests
+        delivered = sum(len(c.token_ids) for k in (4, 5) for c in got[k])
+        assert _server_counter(fleet, "vllm:generation_tokens_total") - tokens0 == delivered
+    finally:
+        fleet.close()
+
+
+# ------------------------------------------------------------------ a TP=2 trainer on the fleet
+MINI = [
+    "synthetic.min_digits=1", "synthetic.max_digits=1", "synthetic.train_size=60", "synthetic.eval_size=5",
+    "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=2",
+    "model.tiny.intermediate_size=128", "model.tiny.num_layers=2",
+    "sft.max_steps=30", "sft.eval_every=30", "sft.eval_size=8", "sft.stop_accuracy=1.0", "sft.batch_size=32",
+    "sft.lr=0.003", "sft.slow_down_at=1.0",
+    "rollout.rollout_batch_size=8", "rollout.group_size=4", "rollout.kv_cache_bytes=16777216",
+    "stages=[{name: s1, max_response_len: 12, max_steps: 2}]", "eval.every=0", "tracking.wandb_mode=disabled",
+]
+
+
+def _train(cmd: list[str], run_dir, model: str, *extra: str) -> None:
+    import shutil
+    import subprocess
+
+    (run_dir / "base_model").parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(model, run_dir / "base_model")  # the model the servers were started with
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([*cmd, "train", "--config", str(REPO / "configs/demo_cpu.yaml"), "--run-dir",
+                           str(run_dir), *MINI, *extra], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+
+
+def _rows(run_dir) -> list[dict]:
+    import json
+
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+
+
+def test_fleet_tp2_torchrun_trainer_on_three_servers_matches_single_rank(fleet_env, tmp_path):
+    """`torchrun --nproc-per-node 2` trains at TP=2 and drives the three servers (placement external):
+    generation on the fleet, weights through vLLM's RL routes with the gloo backend after every update.
+    Reference: the same miniature run in one process at TP=1 with the in-process engine. The SFT cold
+    start involves no sampling, so its loss trajectory and the weights it ends with must agree (float
+    tolerance: TP=2 sums partial products in another order); afterwards every server holds the run's
+    final weights: its greedy output equals transformers' with them."""
+    import sys
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ref, tp2 = tmp_path / "tp1", tmp_path / "tp2"
+    _train([sys.executable, "-m", "megatron_rl.cli"], ref, fleet_env["model"])
+    urls = [r.url for r in EngineRegistry(fleet_env["registry"]).records().values()]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "megatron_rl.cli"]
+    _train(torchrun, tp2, fleet_env["model"], "policy.parallel.tensor_parallel=2", "rollout.engine=vllm_server",
+           "rollout.placement=external", f"rollout.server_urls=[{','.join(urls)}]", "rollout.max_num_seqs=16",
+           "sync.transport=gloo", "sync.bucket_bytes=65536")
+
+    a = [r["sft/nll"] for r in _rows(ref) if r["stage"] == "sft"]
+    b = [r["sft/nll"] for r in _rows(tp2) if r["stage"] == "sft"]
+    assert len(a) == len(b) == 30
+    assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5), (a, b)
+    wa = load_file(str(ref / "s1" / "final" / "hf" / "model.safetensors"))
+    wb = load_file(str(tp2 / "s1" / "final" / "hf" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-3
+    steps = [r for r in _rows(tp2) if r["stage"] == "s1"]
+    assert len(steps) == 2
+    assert all(r["rollout/engines_up"] == 3 and r["rollout/requeued_requests"] == 0 for r in steps)
+    synced = [r for r in steps if "sync/engines" in r]
+    assert synced and all(r["sync/engines"] == 3 and r["sync/failed_engines"] == 0 for r in synced)
+    # every server scored the probe as the TP=2 trainer does (sync.verify), tied output layer included
+    assert all(r["sync/probe_gap_mean"] < 1e-4 for r in synced), [r["sync/probe_gap_mean"] for r in synced]
+    # the servers now hold the run's final weights
+    final = AutoModelForCausalLM.from_pretrained(str(tp2 / "s1" / "final" / "hf"), dtype=torch.float32).eval()
+    fleet = connect_fleet(_cfg(placement="external", server_urls=urls))
+    try:
+        version = fleet.engines[0].weight_version
+        assert version > 0 and all(e.weight_version == version for e in fleet.engines)
+        for engine in fleet.engines:
+            _assert_matches_hf(engine, final, version=version)
+    finally:
+        fleet.close()
+
+
+def test_async_fleet_trainer_one_step_off_with_partial_rollouts_and_oversampling(fleet_env, tmp_path):
+    """`megatron-rl train` on the three servers with rollout.async (one-step-off, partial rollouts,
+    50% oversampling): every step trains rollout_batch_size groups, none more than one version old
+    (from the logged per-sample versions); no server is left paused, and each ends with the run's
+    final weights. No cold start: the stage starts from the base model at weight version 0 while
+    the (external) servers hold other weights, so the trainer must sync them before its first
+    rollout: the first step's samples are scored by the trainer as the engines sampled them."""
+    import json
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.tracking.rollouts import read_rollouts
+
+    run = tmp_path / "async"
+    urls = [r.url for r in EngineRegistry(fleet_env["registry"]).records().values()]
+    fleet = _fleet(fleet_env)  # the servers hold other weights than the base model, at another version
+    sync = _sync(fleet_env, fleet)
+    try:
+        assert sync.sync(_named(fleet_env["hf"]), version=fleet_env["version"] + 1).complete
+    finally:
+        sync.close()
+        fleet.close()
+    _train([sys.executable, "-m", "megatron_rl.cli"], run, fleet_env["model"], "sft.enabled=false",
+           "stages=[{name: s1, max_response_len: 12, max_steps: 4}]", "rollout.engine=vllm_server",
+           "rollout.placement=external", f"rollout.server_urls=[{','.join(urls)}]", "rollout.max_num_seqs=16",
+           "sync.transport=gloo", "sync.bucket_bytes=65536", "rollout.async.max_staleness=1",
+           "rollout.async.partial_rollout=true", "rollout.async.oversample=0.5",
+           "algo.filter_zero_variance_groups=false")
+    steps = [r for r in _rows(run) if r["stage"] == "s1"]
+    assert len(steps) == 4
+    assert all(r["async/groups_trained"] == 8 and r["async/staleness_max"] <= 1 for r in steps)
+    assert steps[0]["async/prompts_drawn"] == 2 * 12  # its wave and the one ahead, 50% oversampled
+    samples = [json.loads(x) for x in (run / "async_samples.jsonl").read_text().splitlines()]
+    assert [s["stage_step"] for s in samples] == [0, 1, 2, 3]
+    for s in samples:
+        assert len(s["versions"]) == 8 * 4
+        assert all(0 <= s["trainer_version"] - oldest <= 1 and newest <= s["trainer_version"]
+                   for oldest, newest in s["versions"]), s
+    first = read_rollouts(run)
+    first = first[(first["global_step"] == 1) & first["in_batch"]]
+    assert len(first) == 8 * 4 and (first["logp_gap_max"] < 1e-3).all(), first["logp_gap_max"].max()
+    fleet = connect_fleet(_cfg(placement="external", server_urls=urls))
+    try:
+        assert all(not e.is_paused() for e in fleet.engines)
+        final = AutoModelForCausalLM.from_pretrained(str(run / "s1" / "final" / "hf"), dtype=torch.float32).eval()
+        version = fleet.engines[0].weight_version
+        for engine in fleet.engines:
+            _assert_matches_hf(engine, final, version=version)
+    finally:
+        fleet.close()
+
+
 # ------------------------------------------------- the config-key walk of the fleet's keys (real servers)
 # Every key of tests/unit/config/fleet_keys.py changes something observable on these servers (the
 # rest of the walk: tests/unit/config/test_every_key_acts.py). A probe changes one key (after its
@@ -875,324 +1192,6 @@ def test_changing_a_fleet_key_changes_what_it_drives(key, fleet_env):
         _WALKED[memo] = probe.observe(config(given), fleet_env)
     after = probe.observe(config(given + [f"{key}={probe.value}"] + probe.also), fleet_env)
     assert _WALKED[memo] != after, f"{key}={probe.value} changed nothing its probe observes: {after}"
-
-
-# ------------------------------------------------------------ async GRPO on the fleet (rollout.async)
-def _server_counter(fleet, name: str, label: str = "") -> float:
-    """A Prometheus counter of every server (``/metrics``), summed."""
-    total = 0.0
-    for engine in fleet.engines:
-        for line in engine._call("GET", "/metrics").text.splitlines():
-            if line.startswith(name) and label in line and not line.startswith(name + "_created"):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def test_async_fleet_partial_rollouts_span_a_weight_update_and_match_each_version(fleet_env):
-    """Partial rollouts on the servers: what is generating is frozen (/pause?mode=keep), the new
-    weights load through the RL routes, /resume continues it. A response generated across the update
-    carries tokens of both versions (vLLM's spans), and every token's log-prob equals a float64
-    teacher-forced pass (transformers) with the weights of *its own* version over the whole sequence
-    (the frozen requests' KV is recomputed with the new weights)."""
-    from megatron_rl.rollout.fleet_stream import FleetStream
-
-    hf = fleet_env["hf"]
-    fleet = _fleet(fleet_env)
-    sync = _sync(fleet_env, fleet)
-    stream = FleetStream(fleet)
-    try:  # every server on the same version first (the walk above synced some of them only)
-        assert sync.sync(_named(hf), version=_next_version(fleet_env)).complete
-    except BaseException:
-        sync.close()
-        fleet.close()
-        raise
-    v0 = fleet_env["version"]
-    states = {v0: {k: v.clone() for k, v in hf.state_dict().items()}}
-    prompts, got = PROMPTS[:12], {}
-    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=MAX_MODEL_LEN - 8, seed=5)
-    try:
-        base = _server_counter(fleet, "vllm:generation_tokens_total")
-        stream.submit(prompts, spec, list(range(12)), got.update)
-        deadline = time.monotonic() + 60
-        while _server_counter(fleet, "vllm:generation_tokens_total") == base:  # every engine has begun
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-        stream.before_weight_update()
-        assert all(e.is_paused() for e in fleet.engines)
-        _retrain(hf, seed=7)
-        states[v0 + 1] = {k: v.clone() for k, v in hf.state_dict().items()}
-        m = sync.sync(_named(hf), version=v0 + 1)
-        fleet_env["version"] = v0 + 1
-        assert m.complete and m.engines == 3
-        stream.after_weight_update()
-        assert not any(e.is_paused() for e in fleet.engines)
-        while len(got) < 12:
-            assert time.monotonic() < deadline, f"{len(got)} of 12 groups came back"
-            time.sleep(0.01)
-        assert stream.in_flight() == 0 and stream.busy_seconds() > 0
-    finally:
-        sync.close()
-        fleet.close()
-    completions = [(prompts[i], c) for i in range(12) for c in got[i]]
-    partial = [c for _, c in completions if c.partial]
-    assert partial, "no response was generated across the weight update"
-    for c in partial:
-        v = c.token_versions()
-        assert c.weight_version == v0 and c.newest_version == v0 + 1 and v[0] == v0 and v[-1] == v0 + 1
-        assert v == sorted(v)
-    try:
-        for prompt, c in completions:
-            versions = torch.tensor(c.token_versions())
-            got_lp = torch.tensor(c.logprobs, dtype=torch.float64)
-            for version in versions.unique().tolist():
-                hf.load_state_dict(states[version])
-                ref = hf_logprobs(hf, prompt, c.token_ids)
-                sel = versions == version
-                assert torch.allclose(got_lp[sel], ref[sel], atol=2e-4, rtol=0), (version, (got_lp - ref)[sel])
-    finally:
-        hf.load_state_dict(states[v0 + 1])
-
-
-def test_async_fleet_holds_what_a_server_returns_before_its_probe_passed(fleet_env):
-    """vLLM's pause in mode keep (PAUSED_ALL) schedules nothing, a probe's request included, so each
-    server resumes before its probe (checked first, on a real server). What a server returns between
-    its /resume and the probe's verdict must not reach the caller before the verdict. The requests
-    go out while the fleet is paused for the update (they wait on the servers, so each server
-    generates them with its new weights once it resumes); one server scores the probe wrongly (as
-    one computing with stale weights would), after its requests have all finished. None of its
-    results is delivered; its requests are re-sent to the two servers that passed, and every token
-    delivered is sampled by the verified new weights (transformers' float64 log-probs with them)."""
-    from megatron_rl.rollout.base import EngineTimeout
-    from megatron_rl.rollout.fleet_stream import FleetStream
-
-    hf = fleet_env["hf"]
-    fleet = _fleet(fleet_env, hedge_after=0.0)  # (tail hedging off: this test counts re-sent requests)
-    sync = _sync(fleet_env, fleet)
-    stream = FleetStream(fleet)
-    v0 = fleet_env["version"]
-    victim = fleet.engines[0]
-    prompts, got = PROMPTS[:12], {}
-    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=MAX_MODEL_LEN - 8, seed=21)
-    sent_to_victim, returned_by_victim = [], []
-    real_submit, real_score = victim.submit, victim.score
-
-    async def submit(prompt_ids, sampling, **kw):
-        sent_to_victim.append(prompt_ids)
-        out = await real_submit(prompt_ids, sampling, **kw)
-        returned_by_victim.append(prompt_ids)
-        return out
-
-    def stale_score(tokens):  # the window: its requests all finish before the verdict
-        deadline = time.monotonic() + 30
-        while len(returned_by_victim) < len(sent_to_victim):
-            assert time.monotonic() < deadline, "the victim's requests did not finish after its resume"
-            time.sleep(0.01)
-        return [x - 1.0 for x in real_score(tokens)]
-
-    try:
-        stream.before_weight_update()  # paused (keep): a paused server does not score the probe
-        with pytest.raises(EngineTimeout):
-            paused = VLLMServer(victim.url, _cfg(timeout_s=2.0), name=victim.name)
-            paused.score(probe_tokens(hf.config.vocab_size, 16))
-        victim.submit, victim.score = submit, stale_score
-        stream.submit(prompts, spec, list(range(12)), got.update)
-        deadline = time.monotonic() + 60
-        while any(slot is None for _, slot in list(fleet._requests.values())) or len(fleet._requests) < 12:
-            assert time.monotonic() < deadline, "the requests were not all sent"
-            time.sleep(0.005)
-        time.sleep(0.5)  # they reach the servers, and wait there
-        frozen = list(sent_to_victim)
-        assert frozen and not returned_by_victim, "a paused server generated"
-        _retrain(hf, seed=11)
-        sync.set_probe(_probe(hf))
-        m = sync.sync(_named(hf), version=v0 + 1)
-        stream.after_weight_update()
-        assert m.engines == 2 and list(m.failures) == [victim.name], m.failures
-        assert fleet.state(victim) is EngineState.JOINING
-        while len(got) < 12:
-            assert time.monotonic() < deadline, f"{len(got)} of 12 groups came back"
-            time.sleep(0.01)
-        requeued = fleet.pop_metrics()["rollout/requeued_requests"]
-        # every request on the victim came back from it inside the window; none was delivered
-        assert len(returned_by_victim) == len(sent_to_victim) and requeued >= len(frozen)
-        for k in range(len(prompts)):
-            assert victim.name not in {c.engine for c in got[k]}, k
-            for c in got[k]:  # generated after the update (re-sent, or waiting on a server that passed)
-                assert set(c.token_versions()) == {v0 + 1}
-                ref = hf_logprobs(hf, prompts[k], c.token_ids)
-                assert torch.allclose(torch.tensor(c.logprobs, dtype=torch.float64), ref, atol=2e-4, rtol=0)
-        # it rejoins at the next sync, which verifies it
-        victim.submit, victim.score = real_submit, real_score
-        m = sync.sync(_named(hf), version=v0 + 2)
-        fleet_env["version"] = v0 + 2
-        assert m.complete and m.engines == 3 and fleet.state(victim) is EngineState.UP
-    finally:
-        victim.submit, victim.score = real_submit, real_score
-        sync.close()
-        fleet.close()
-
-
-def test_async_fleet_aborts_leftovers_on_the_servers(fleet_env):
-    """Leftovers (oversampled groups no step needs in time) are stopped on the servers: submitted
-    while the servers are paused, four of six prompts are aborted (/abort_requests); after /resume
-    the other two finish, the aborted ones never come back, and the servers generated exactly the
-    tokens of the two (an abort that did not reach a server would add its tokens)."""
-    from megatron_rl.rollout.fleet_stream import FleetStream
-
-    fleet = _fleet(fleet_env)
-    stream = FleetStream(fleet)
-    got, spec = {}, SamplingSpec(n=2, temperature=1.0, max_tokens=16, seed=9)
-    try:
-        fleet.pause("keep")  # frozen: nothing generates before the abort reaches it
-        tokens0 = _server_counter(fleet, "vllm:generation_tokens_total")
-        stream.submit(PROMPTS[:6], spec, list(range(6)), got.update)
-        assert stream.in_flight() == 6
-        time.sleep(0.5)  # the requests reach the servers
-        stream.abort([0, 1, 2, 3])
-        assert stream.in_flight() == 2 and set(fleet._requests) == set(stream._pending.values())
-        fleet.resume()
-        deadline = time.monotonic() + 60
-        while len(got) < 2:
-            assert time.monotonic() < deadline, sorted(got)
-            time.sleep(0.05)
-        time.sleep(1.0)  # an aborted request that still ran would be generating now
-        assert sorted(got) == [4, 5] and stream.in_flight() == 0 and not fleet._requests
-        delivered = sum(len(c.token_ids) for k in (4, 5) for c in got[k])
-        assert _server_counter(fleet, "vllm:generation_tokens_total") - tokens0 == delivered
-    finally:
-        fleet.close()
-
-
-# ------------------------------------------------------------------ a TP=2 trainer on the fleet
-MINI = [
-    "synthetic.min_digits=1", "synthetic.max_digits=1", "synthetic.train_size=60", "synthetic.eval_size=5",
-    "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=2",
-    "model.tiny.intermediate_size=128", "model.tiny.num_layers=2",
-    "sft.max_steps=30", "sft.eval_every=30", "sft.eval_size=8", "sft.stop_accuracy=1.0", "sft.batch_size=32",
-    "sft.lr=0.003", "sft.slow_down_at=1.0",
-    "rollout.rollout_batch_size=8", "rollout.group_size=4", "rollout.kv_cache_bytes=16777216",
-    "stages=[{name: s1, max_response_len: 12, max_steps: 2}]", "eval.every=0", "tracking.wandb_mode=disabled",
-]
-
-
-def _train(cmd: list[str], run_dir, model: str, *extra: str) -> None:
-    import shutil
-    import subprocess
-
-    (run_dir / "base_model").parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(model, run_dir / "base_model")  # the model the servers were started with
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([*cmd, "train", "--config", str(REPO / "configs/demo_cpu.yaml"), "--run-dir",
-                           str(run_dir), *MINI, *extra], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-
-
-def _rows(run_dir) -> list[dict]:
-    import json
-
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
-
-
-def test_fleet_tp2_torchrun_trainer_on_three_servers_matches_single_rank(fleet_env, tmp_path):
-    """`torchrun --nproc-per-node 2` trains at TP=2 and drives the three servers (placement external):
-    generation on the fleet, weights through vLLM's RL routes with the gloo backend after every update.
-    Reference: the same miniature run in one process at TP=1 with the in-process engine. The SFT cold
-    start involves no sampling, so its loss trajectory and the weights it ends with must agree (float
-    tolerance: TP=2 sums partial products in another order); afterwards every server holds the run's
-    final weights: its greedy output equals transformers' with them."""
-    import sys
-
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    ref, tp2 = tmp_path / "tp1", tmp_path / "tp2"
-    _train([sys.executable, "-m", "megatron_rl.cli"], ref, fleet_env["model"])
-    urls = [r.url for r in EngineRegistry(fleet_env["registry"]).records().values()]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                "-m", "megatron_rl.cli"]
-    _train(torchrun, tp2, fleet_env["model"], "policy.parallel.tensor_parallel=2", "rollout.engine=vllm_server",
-           "rollout.placement=external", f"rollout.server_urls=[{','.join(urls)}]", "rollout.max_num_seqs=16",
-           "sync.transport=gloo", "sync.bucket_bytes=65536")
-
-    a = [r["sft/nll"] for r in _rows(ref) if r["stage"] == "sft"]
-    b = [r["sft/nll"] for r in _rows(tp2) if r["stage"] == "sft"]
-    assert len(a) == len(b) == 30
-    assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5), (a, b)
-    wa = load_file(str(ref / "s1" / "final" / "hf" / "model.safetensors"))
-    wb = load_file(str(tp2 / "s1" / "final" / "hf" / "model.safetensors"))
-    assert wa.keys() == wb.keys()
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-3
-    steps = [r for r in _rows(tp2) if r["stage"] == "s1"]
-    assert len(steps) == 2
-    assert all(r["rollout/engines_up"] == 3 and r["rollout/requeued_requests"] == 0 for r in steps)
-    synced = [r for r in steps if "sync/engines" in r]
-    assert synced and all(r["sync/engines"] == 3 and r["sync/failed_engines"] == 0 for r in synced)
-    # every server scored the probe as the TP=2 trainer does (sync.verify), tied output layer included
-    assert all(r["sync/probe_gap_mean"] < 1e-4 for r in synced), [r["sync/probe_gap_mean"] for r in synced]
-    # the servers now hold the run's final weights
-    final = AutoModelForCausalLM.from_pretrained(str(tp2 / "s1" / "final" / "hf"), dtype=torch.float32).eval()
-    fleet = connect_fleet(_cfg(placement="external", server_urls=urls))
-    try:
-        version = fleet.engines[0].weight_version
-        assert version > 0 and all(e.weight_version == version for e in fleet.engines)
-        for engine in fleet.engines:
-            _assert_matches_hf(engine, final, version=version)
-    finally:
-        fleet.close()
-
-
-def test_async_fleet_trainer_one_step_off_with_partial_rollouts_and_oversampling(fleet_env, tmp_path):
-    """`megatron-rl train` on the three servers with rollout.async (one-step-off, partial rollouts,
-    50% oversampling): every step trains rollout_batch_size groups, none more than one version old
-    (from the logged per-sample versions); no server is left paused, and each ends with the run's
-    final weights. No cold start: the stage starts from the base model at weight version 0 while
-    the (external) servers hold other weights, so the trainer must sync them before its first
-    rollout: the first step's samples are scored by the trainer as the engines sampled them."""
-    import json
-    import sys
-
-    from transformers import AutoModelForCausalLM
-
-    from megatron_rl.tracking.rollouts import read_rollouts
-
-    run = tmp_path / "async"
-    urls = [r.url for r in EngineRegistry(fleet_env["registry"]).records().values()]
-    fleet = _fleet(fleet_env)  # the servers hold other weights than the base model, at another version
-    sync = _sync(fleet_env, fleet)
-    try:
-        assert sync.sync(_named(fleet_env["hf"]), version=fleet_env["version"] + 1).complete
-    finally:
-        sync.close()
-        fleet.close()
-    _train([sys.executable, "-m", "megatron_rl.cli"], run, fleet_env["model"], "sft.enabled=false",
-           "stages=[{name: s1, max_response_len: 12, max_steps: 4}]", "rollout.engine=vllm_server",
-           "rollout.placement=external", f"rollout.server_urls=[{','.join(urls)}]", "rollout.max_num_seqs=16",
-           "sync.transport=gloo", "sync.bucket_bytes=65536", "rollout.async.max_staleness=1",
-           "rollout.async.partial_rollout=true", "rollout.async.oversample=0.5",
-           "algo.filter_zero_variance_groups=false")
-    steps = [r for r in _rows(run) if r["stage"] == "s1"]
-    assert len(steps) == 4
-    assert all(r["async/groups_trained"] == 8 and r["async/staleness_max"] <= 1 for r in steps)
-    assert steps[0]["async/prompts_drawn"] == 2 * 12  # its wave and the one ahead, 50% oversampled
-    samples = [json.loads(x) for x in (run / "async_samples.jsonl").read_text().splitlines()]
-    assert [s["stage_step"] for s in samples] == [0, 1, 2, 3]
-    for s in samples:
-        assert len(s["versions"]) == 8 * 4
-        assert all(0 <= s["trainer_version"] - oldest <= 1 and newest <= s["trainer_version"]
-                   for oldest, newest in s["versions"]), s
-    first = read_rollouts(run)
-    first = first[(first["global_step"] == 1) & first["in_batch"]]
-    assert len(first) == 8 * 4 and (first["logp_gap_max"] < 1e-3).all(), first["logp_gap_max"].max()
-    fleet = connect_fleet(_cfg(placement="external", server_urls=urls))
-    try:
-        assert all(not e.is_paused() for e in fleet.engines)
-        final = AutoModelForCausalLM.from_pretrained(str(run / "s1" / "final" / "hf"), dtype=torch.float32).eval()
-        version = fleet.engines[0].weight_version
-        for engine in fleet.engines:
-            _assert_matches_hf(engine, final, version=version)
-    finally:
-        fleet.close()
-
 
 # ------------------------------------------------------------ last: the servers die with their owner
 def test_servers_die_with_their_owner_killed_by_sigkill(fleet_env):
