@@ -136,10 +136,6 @@ class RolloutEngine(ABC):
         """Teacher-forced log-probs of ``token_ids[1:]`` at T = 1 (the weight sync's probe)."""
         raise NotImplementedError(f"{type(self).__name__} cannot score a sequence")
 
-    def score(self, token_ids: list[int]) -> list[float]:
-        """Teacher-forced log-probs of ``token_ids[1:]`` at T = 1 (the weight sync's probe)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot score a sequence")
-
     @abstractmethod
     def reset_prefix_cache(self) -> None:
         """Drop cached prefixes (they were computed with older weights)."""
