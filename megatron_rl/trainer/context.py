@@ -129,7 +129,7 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
             problem = InputError(box[0])
     if problem is not None:
         raise problem
-    launcher = start_colocated(cfg, model_path, groups)  # servers boot while the policy builds
+    launcher = start_colocated(cfg, model_path)  # servers boot while the policy builds
     policy = MegatronPolicy.from_hf(model_path, cfg.policy, groups)
     ctx = Context(cfg=cfg, run=run, groups=groups, policy=policy, tokenizer=tokenizer, model_path=model_path,
                   entropy_ctl=EntropyController(cfg.algo.entropy), stop=stop, launcher=launcher,

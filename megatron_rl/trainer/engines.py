@@ -81,7 +81,7 @@ def colocated_launcher(cfg: RunConfig, model_path: str) -> EngineLauncher | None
     return node_launcher(cfg, model_path)
 
 
-def start_colocated(cfg: RunConfig, model_path: str, groups: ParallelGroups) -> EngineLauncher | None:
+def start_colocated(cfg: RunConfig, model_path: str) -> EngineLauncher | None:
     """The node's first trainer process starts the node's engines, unless a node launcher did."""
     launcher = colocated_launcher(cfg, model_path)
     if launcher is None:
