@@ -55,11 +55,10 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
     from megatron_rl.compat import apply_compat
     from megatron_rl.demo import prepare_inputs
     from megatron_rl.models import init_distributed
-    from megatron_rl.models.hf_config import read_hf_config
     from megatron_rl.tracking.logs import hidden_warnings, route_logs
     from megatron_rl.trainer.context import build_context
     from megatron_rl.trainer.run import nothing_left, run
-    from megatron_rl.trainer.schema import check_model_limits, load_run_config
+    from megatron_rl.trainer.schema import load_run_config
     from megatron_rl.trainer.stop import StopRequest
 
     if run_dir is not None:  # ``--run-dir ''`` is refused by the config's check, never ignored
@@ -83,9 +82,6 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
         prepare_inputs(cfg.trainer.run_dir, tiny=None if cfg.model.path else cfg.model.tiny,
                        synthetic=cfg.synthetic, seed=cfg.trainer.seed)
     groups.barrier()
-    # The model's own limits, before anything is built from it.
-    check_model_limits(cfg, read_hf_config(model_path).max_position_embeddings,
-                       str(Path(model_path) / "config.json"))
     stop = StopRequest()
     ctx = build_context(cfg, groups, model_path, stop)
     stop.install_signal_handlers()  # after the engines are built, so nothing replaces them

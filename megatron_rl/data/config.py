@@ -28,7 +28,8 @@ class DataConfig(ConfigBase):
     chat_template: str = "auto"
     # Prepended as a system message when the prompt has none ("" = none).
     system_prompt: str = ""
-    # Prompts longer than this many tokens are dropped and counted (0 = keep all).
+    # Prompts longer than this many tokens are dropped and counted (0: rollout.max_prompt_len, which
+    # the engines are sized for, alone; a run refuses a value above it).
     max_prompt_len: int = ranged(0, ge=0)
     # A malformed row: "raise" (error naming file and row) or "skip" (counted in the stats).
     on_bad_row: str = "raise"

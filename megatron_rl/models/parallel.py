@@ -118,6 +118,13 @@ def check_layout(cfg: ParallelConfig, world_size: int, shape: ModelShape | None 
         if shape.num_kv_heads % tp:
             cfg.fail("tensor_parallel", f"num_key_value_heads ({shape.num_kv_heads}) is not "
                      f"divisible by tensor_parallel ({tp})")
+        if cp > 1 and cfg.cp_comm_type == "a2a":  # TE's all-to-all splits each rank's heads over CP
+            for what, heads in (("num_attention_heads", shape.num_heads), ("num_key_value_heads", shape.num_kv_heads)):
+                if (heads // tp) % cp:
+                    cfg.fail("cp_comm_type", f"'a2a' splits the attention heads of each tensor-parallel rank "
+                                             f"over context_parallel ({cp}), but {what} ({heads}) / "
+                                             f"tensor_parallel ({tp}) = {heads // tp} is not divisible by it: "
+                                             f"use p2p or all_gather")
         stages = pp * cfg.vpp
         if shape.num_layers % stages:
             name = "virtual_pipeline" if cfg.vpp > 1 else "pipeline_parallel"

@@ -22,15 +22,17 @@ def make_engine(model_path: str, cfg: RolloutConfig, *, seed: int = 0, max_model
 
         return VLLMEngine(model_path, cfg, seed=seed, max_model_len=max_model_len)
     if cfg.engine == "vllm_server":
-        return connect_fleet(cfg, registry_dir=registry_dir, names=names)
+        return connect_fleet(cfg, registry_dir=registry_dir, names=names, max_model_len=max_model_len)
     raise ValueError(f"rollout.engine: unknown engine {cfg.engine!r}")
 
 
-def connect_fleet(cfg: RolloutConfig, *, registry_dir: str | None = None, names: list[str] | None = None):
+def connect_fleet(cfg: RolloutConfig, *, registry_dir: str | None = None, names: list[str] | None = None,
+                  max_model_len: int | None = None):
     """Wait (up to ``rollout.start_timeout_s``) for the servers, then drive them as one fleet.
 
     ``external``: the servers at ``cfg.server_urls``; otherwise the ``cfg.num_engines`` engines the
-    node launchers registered in ``registry_dir`` (exactly ``names`` when given)."""
+    node launchers registered in ``registry_dir`` (exactly ``names`` when given). A server whose
+    max model length is below ``max_model_len`` (the run's longest prompt + response) is refused."""
     from megatron_rl.rollout.fleet import EngineFleet
     from megatron_rl.rollout.registry import EngineRegistry
     from megatron_rl.rollout.server import VLLMServer, server_healthy
@@ -58,8 +60,16 @@ def connect_fleet(cfg: RolloutConfig, *, registry_dir: str | None = None, names:
         def locate(name: str) -> str | None:
             rec = registry.records().get(name)
             return rec.url if rec is not None else None
-    for server in servers:
-        server.connect()
+    try:
+        for i, server in enumerate(servers):
+            server.connect()
+            if max_model_len:
+                server.require_model_len(max_model_len, f"rollout.server_urls[{i}]" if cfg.placement == "external"
+                                         else "rollout.registry_dir")
+    except BaseException:
+        for server in servers:
+            server.close()
+        raise
     return EngineFleet(servers, cfg, locate=locate)
 
 

@@ -123,7 +123,8 @@ class RolloutConfig(ConfigBase):
     # is treated as hung; a server that does not answer in time is marked down and its requests go
     # to the other engines.
     timeout_s: float = ranged(600.0, gt=0.0)
-    # Greedy evaluation: how many tokens the evaluation may generate (defaults to max_response_len).
+    # Greedy evaluation: how many tokens the evaluation may generate (unset: the max_response_len of
+    # the stage it follows). The engines are sized for it; max_prompt_len + it must fit the model.
     eval_max_tokens: int | None = ranged(None, ge=1)
     # Asynchronous GRPO and DAPO dynamic sampling: how far generation may run ahead of training.
     async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})

@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from megatron_rl.config.base import ConfigError
 from megatron_rl.rollout.base import (Completion, EngineDied, EngineError, EngineTimeout, PauseMode,
                                       RolloutEngine, SamplingSpec)
 from megatron_rl.rollout.config import RolloutConfig
@@ -105,6 +106,9 @@ class VLLMServer(RolloutEngine):
         self.cfg = cfg
         self.name = name or self.url.split("://", 1)[-1]
         self.model = model  # served model name; asked from /v1/models when None
+        # The longest prompt + response the server accepts (its --max-model-len, from /v1/models).
+        self.max_model_len: int | None = None
+        self._card_read = False
         # Ranks this engine takes in a weight-transfer group: one per vLLM worker (TP x PP).
         self.workers = workers or cfg.tensor_parallel_size
         self.weight_version = 0
@@ -155,13 +159,29 @@ class VLLMServer(RolloutEngine):
         self.weight_version = version_of(self.server_weight_version(), self.weight_version)
         return self
 
-    def served_model(self) -> str:
-        if self.model is None:
-            data = self._call("GET", "/v1/models").json().get("data") or []
-            if not data:
-                raise EngineError(f"engine {self.name} ({self.url}) serves no model")
-            self.model = data[0]["id"]
+    def served_model(self, timeout: float | None = None) -> str:
+        """The served model's name (and its max model length, kept in ``max_model_len``); asked
+        once, at :meth:`connect`."""
+        if self._card_read:
+            return self.model
+        data = self._call("GET", "/v1/models", timeout=timeout).json().get("data") or []
+        if not data:
+            raise EngineError(f"engine {self.name} ({self.url}) serves no model")
+        card = next((c for c in data if c.get("id") == self.model), data[0])
+        self.model = card["id"]
+        limit = card.get("max_model_len")
+        self.max_model_len = limit if isinstance(limit, int) else None
+        self._card_read = True
         return self.model
+
+    def require_model_len(self, need: int, key: str) -> None:
+        """Refuse a server that cannot hold the run's longest prompt + response (``need`` tokens);
+        ``key`` names the config setting the server comes from. Call after :meth:`served_model`."""
+        if self.max_model_len is not None and self.max_model_len < need:
+            raise ConfigError(key, f"engine {self.name} ({self.url}) serves max_model_len={self.max_model_len}, "
+                                   f"but the run samples up to {need} tokens (rollout.max_prompt_len + the "
+                                   f"longest stages[].max_response_len / rollout.eval_max_tokens): start it "
+                                   f"with --max-model-len >= {need}")
 
     def server_weight_version(self) -> str | None:
         """What the server itself says its weight version is (``/weight_info``; ``"0"`` for the

@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatron_rl.config.base import ConfigBase, ranged
+from megatron_rl.config.base import ConfigBase, ConfigError, ranged
 from megatron_rl.data.config import DataConfig
 from megatron_rl.data.dataset import DataError, PromptRecord, load_prompts, read_rows
 from megatron_rl.data.labels import DifficultyLabel, canonical_answer, label_prompt  # noqa: F401  (re-exported)
@@ -145,6 +145,18 @@ def write_annotated(src: str | Path, dst: str | Path, records: list[PromptRecord
     return len(rows)
 
 
+def check_fits(need: int, model_path: str, what: str) -> None:
+    """The engine is sized for the longest prompt + ``max_tokens``: refuse (naming ``max_tokens``,
+    the file and the row) a length the model's positions cannot hold, before the engine starts."""
+    from megatron_rl.models.hf_config import read_hf_config
+
+    limit = read_hf_config(model_path).max_position_embeddings
+    if need > limit:
+        raise ConfigError("max_tokens", f"{what} = {need} exceeds the model's max_position_embeddings "
+                                        f"({limit}, {Path(model_path) / 'config.json'}): lower max_tokens, "
+                                        f"or drop long prompts with data.max_prompt_len")
+
+
 def run(data_path: str, model_path: str, out_path: str, summary_path: str | None,
         cfg: DifficultyConfig, engine=None) -> dict:
     """Label a dataset end to end; ``engine`` defaults to ``make_engine(model_path, cfg.rollout)``."""
@@ -165,7 +177,10 @@ def run(data_path: str, model_path: str, out_path: str, summary_path: str | None
     if own_engine:
         from megatron_rl.rollout import make_engine
 
-        max_len = max(len(r.prompt_ids) for r in records) + cfg.max_tokens if records else 0
+        longest = max(records, key=lambda r: len(r.prompt_ids))
+        max_len = len(longest.prompt_ids) + cfg.max_tokens
+        check_fits(max_len, model_path, f"{data_path}: row {longest.row}: the longest prompt "
+                                        f"({len(longest.prompt_ids)} tokens) + max_tokens ({cfg.max_tokens})")
         engine = make_engine(model_path, cfg.rollout, seed=cfg.seed, max_model_len=max_len)
     try:
         with RewardManager(cfg.reward) as mgr:

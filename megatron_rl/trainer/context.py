@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -103,14 +104,18 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
     """Policy on every rank; engines, rewards, data and tracker on the driver; the weight sync."""
     from transformers import AutoTokenizer
 
-    from megatron_rl.models.hf_config import HFModelError
+    from megatron_rl.models.hf_config import HFModelError, read_hf_config
     from megatron_rl.models.policy import MegatronPolicy
     from megatron_rl.rewards import RewardManager
     from megatron_rl.sync.base import build_weight_sync
     from megatron_rl.tracking import Tracker
-    from megatron_rl.trainer.engines import build_engine, expected_engines, start_colocated
+    from megatron_rl.trainer.engines import build_engine, check_external_servers, expected_engines, start_colocated
+    from megatron_rl.trainer.schema import check_model_limits
 
     run = RunDir(cfg.trainer.run_dir)
+    # The model's own limits, before anything is built from it.
+    max_positions = read_hf_config(model_path).max_position_embeddings
+    check_model_limits(cfg, max_positions, str(Path(model_path) / "config.json"))
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as exc:  # no tokenizer files, or ones transformers cannot read
@@ -119,7 +124,8 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
     if groups.rank == 0:  # the data first: a bad file fails before any model or engine is built
         try:
             run.recover()  # what a save killed mid-way left behind
-            train_records, sft_records, eval_records = load_run_data(cfg, tokenizer)
+            train_records, sft_records, eval_records = load_run_data(cfg, tokenizer, max_positions)
+            check_external_servers(cfg)
         except InputError as exc:
             problem = exc
     if groups.world_size > 1:  # every rank stops with the driver's error, none waits for it
@@ -154,13 +160,14 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
     return ctx
 
 
-def load_run_data(cfg: RunConfig, tokenizer
+def load_run_data(cfg: RunConfig, tokenizer, max_positions: int | None = None
                   ) -> tuple[list[PromptRecord], list[PromptRecord], list[PromptRecord]]:
     """Training, SFT cold-start (sft.data_path; the training prompts when it is empty) and held-out
     prompts (``eval.path``, its first ``eval.size``; never filtered by difficulty labels). Prompts
     longer than ``rollout.max_prompt_len`` (what the engines are sized for) or a stricter
     ``data.max_prompt_len`` are dropped and counted; a :class:`DataError` names the file when one
-    cannot serve the run."""
+    cannot serve the run, and the file and row of an SFT problem without a reference solution or
+    whose prompt + solution exceeds the model's ``max_positions``."""
     from megatron_rl.data import DataConfig, DataError, load_prompts
 
     max_len = min(n for n in (cfg.rollout.max_prompt_len, cfg.data.max_prompt_len) if n > 0)
@@ -171,6 +178,8 @@ def load_run_data(cfg: RunConfig, tokenizer
         sft, stats = load_prompts(cfg.sft.data_path, tokenizer, cfg.data, max_prompt_len=max_len)
         sft_path = cfg.sft.data_path
         log.info("sft data: %s", stats)
+    if cfg.sft.enabled:
+        check_demonstrations(sft, sft_path, tokenizer, max_positions)
     if cfg.sft.enabled and len(sft) <= cfg.sft.eval_size:
         raise DataError(f"{sft_path}: {len(sft)} usable prompts, but the SFT cold start "
                         f"holds out sft.eval_size={cfg.sft.eval_size} of them for validation and "
@@ -183,6 +192,32 @@ def load_run_data(cfg: RunConfig, tokenizer
         if cfg.eval.size:
             held_out = held_out[: cfg.eval.size]
     return train, sft, held_out
+
+
+def check_demonstrations(records: list[PromptRecord], path: str, tokenizer, max_positions: int | None,
+                         chunk: int = 1024) -> None:
+    """The SFT cold start trains on prompt + reference solution + EOS: every problem needs its
+    solution, and the whole sequence must fit the model's positions (a :class:`DataError` naming
+    file and row, before any model is built)."""
+    from megatron_rl.data import DataError
+    from megatron_rl.trainer.phases import reference_solution
+
+    sols = []
+    for r in records:
+        try:
+            sols.append(reference_solution(r))
+        except ValueError as exc:
+            raise DataError(f"{path}: row {r.row}: {exc}") from None
+    if max_positions is None:
+        return
+    for start in range(0, len(records), chunk):
+        ids = tokenizer(sols[start:start + chunk], add_special_tokens=False)["input_ids"]
+        for r, sol in zip(records[start:start + chunk], ids):
+            n = len(r.prompt_ids) + len(sol) + 1  # + EOS
+            if n > max_positions:
+                raise DataError(f"{path}: row {r.row}: the SFT sequence (prompt {len(r.prompt_ids)} + "
+                                f"reference solution {len(sol)} + EOS) is {n} tokens, more than the "
+                                f"model's max_position_embeddings ({max_positions})")
 
 
 def build_observer(cfg: RunConfig, root, tracker: Tracker | None) -> StepObserver:

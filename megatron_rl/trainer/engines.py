@@ -25,6 +25,7 @@ from megatron_rl.rollout import RolloutEngine, make_engine
 from megatron_rl.rollout.launcher import LAUNCHED_ENV, EngineLauncher, node_specs
 from megatron_rl.rollout.registry import EngineRegistry, engine_name
 from megatron_rl.sync.base import server_args
+from megatron_rl.trainer.schema import max_sequence_len
 
 if TYPE_CHECKING:
     from megatron_rl.models.parallel import ParallelGroups
@@ -52,8 +53,30 @@ def registry_dir(cfg: RunConfig) -> Path:
 
 
 def max_model_len(cfg: RunConfig) -> int:
-    """The longest sequence any stage samples: the servers' ``--max-model-len``."""
-    return cfg.rollout.max_prompt_len + max(s.max_response_len for s in cfg.stages)
+    """The longest sequence any stage or evaluation samples: the engines' max model length
+    (the servers' ``--max-model-len``)."""
+    return max_sequence_len(cfg)
+
+
+def check_external_servers(cfg: RunConfig, timeout: float = 5.0) -> None:
+    """placement external: the servers that already answer must hold the run's longest prompt +
+    response, checked before anything is built (one not up yet is checked when the fleet connects)."""
+    from megatron_rl.rollout import EngineError
+    from megatron_rl.rollout.server import VLLMServer
+
+    r = cfg.rollout
+    if r.engine != "vllm_server" or r.placement != "external":
+        return
+    need = max_model_len(cfg)
+    for i, url in enumerate(r.server_urls):
+        server = VLLMServer(url, r, name=f"engine{i}")
+        try:
+            server.served_model(timeout=timeout)
+        except EngineError:
+            continue
+        finally:
+            server.close()
+        server.require_model_len(need, f"rollout.server_urls[{i}]")
 
 
 def node_launcher(cfg: RunConfig, model_path: str, *, node: str | None = None, host: str | None = None,

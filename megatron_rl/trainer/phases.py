@@ -113,16 +113,26 @@ def make_batch(ro: Rollout, algo: AlgoConfig) -> tuple[SequenceBatch | None, dic
     return batch, metrics
 
 
+def reference_solution(record: PromptRecord) -> str:
+    """The solution SFT trains on (``solution`` in the record's extra fields); ValueError without one."""
+    sol = record.extra.get("solution") if isinstance(record.extra, dict) else None
+    if not isinstance(sol, str):
+        raise ValueError(f"SFT needs a reference solution (a string 'solution' in the row's extra fields, "
+                         f"data.extra_key) for prompt {record.uid!r}, got {sol!r}")
+    return sol
+
+
+def demonstration_ids(record: PromptRecord, tokenizer) -> list[int]:
+    """The response SFT trains on: the reference solution, tokenized, + EOS."""
+    return tokenizer(reference_solution(record), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
 def sft_batch(records: list[PromptRecord], tokenizer) -> SequenceBatch:
     """Prompts + reference solutions (+ EOS), advantage 1: SFT through the GRPO objective (SFT is RL
     with every sample positive)."""
     seqs, plens = [], []
     for r in records:
-        sol = r.extra.get("solution") if isinstance(r.extra, dict) else None
-        if sol is None:
-            raise ValueError(f"SFT needs a reference solution (extra_info.solution) for prompt {r.uid!r}")
-        resp = tokenizer(sol, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        seqs.append(list(r.prompt_ids) + resp)
+        seqs.append(list(r.prompt_ids) + demonstration_ids(r, tokenizer))
         plens.append(len(r.prompt_ids))
     return SequenceBatch(sequences=seqs, prompt_lens=plens, token_fields={},
                          seq_fields={"advantages": torch.ones(len(seqs))})

@@ -108,20 +108,42 @@ def validate_cross(cfg: RunConfig) -> None:
     if cfg.sft.control and not cfg.sft.enabled:
         raise ConfigError("sft.control", "needs sft.enabled=true: the control experiment starts from "
                                          "the cold start's checkpoint")
+    if cfg.data.max_prompt_len > cfg.rollout.max_prompt_len:
+        raise ConfigError("data.max_prompt_len", f"{cfg.data.max_prompt_len} would keep prompts longer than "
+                                                 f"rollout.max_prompt_len ({cfg.rollout.max_prompt_len}), "
+                                                 f"which the engines are sized for: set it <= "
+                                                 f"{cfg.rollout.max_prompt_len} (0: rollout.max_prompt_len "
+                                                 f"alone) or raise rollout.max_prompt_len")
     if cfg.model.tiny is not None and not cfg.model.path:
         check_model_limits(cfg, cfg.model.tiny.max_position_embeddings, "model.tiny")
 
 
+def sampled_lengths(cfg: RunConfig) -> list[tuple[str, str, int]]:
+    """Every response length the engines are asked for, as (config key, what samples it, tokens):
+    each stage's max_response_len and, when set, the greedy evaluation's rollout.eval_max_tokens
+    (unset, an evaluation samples the length of the stage it follows)."""
+    out = [(f"stages[{i}].max_response_len", f"stage {s.name!r}", s.max_response_len)
+           for i, s in enumerate(cfg.stages)]
+    if cfg.rollout.eval_max_tokens is not None:
+        out.append(("rollout.eval_max_tokens", "the greedy evaluation", cfg.rollout.eval_max_tokens))
+    return out
+
+
+def max_sequence_len(cfg: RunConfig) -> int:
+    """The longest prompt + response any engine is asked for: the engines' max model length."""
+    return cfg.rollout.max_prompt_len + max(n for _, _, n in sampled_lengths(cfg))
+
+
 def check_model_limits(cfg: RunConfig, max_positions: int, model: str) -> None:
-    """Every stage's prompt + response must fit the model's positions (before anything is built);
-    ``model`` says where the limit comes from (the config key or the model's config.json)."""
-    for i, s in enumerate(cfg.stages):
-        need = cfg.rollout.max_prompt_len + s.max_response_len
+    """Every prompt + response the run samples (each stage's, the evaluation's) must fit the
+    model's positions (before anything is built); ``model`` says where the limit comes from (the
+    config key or the model's config.json)."""
+    for key, what, n in sampled_lengths(cfg):
+        need = cfg.rollout.max_prompt_len + n
         if need > max_positions:
-            raise ConfigError(f"stages[{i}].max_response_len",
-                              f"stage {s.name!r}: rollout.max_prompt_len ({cfg.rollout.max_prompt_len}) + "
-                              f"max_response_len ({s.max_response_len}) = {need} exceeds the model's "
-                              f"max_position_embeddings ({max_positions}, {model})")
+            raise ConfigError(key, f"{what}: rollout.max_prompt_len ({cfg.rollout.max_prompt_len}) + "
+                                   f"{key.rsplit('.', 1)[-1]} ({n}) = {need} exceeds the model's "
+                                   f"max_position_embeddings ({max_positions}, {model})")
 
 
 def _substitute_run_dir(tree: dict) -> dict:

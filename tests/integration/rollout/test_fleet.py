@@ -30,6 +30,7 @@ pytest.importorskip("vllm")
 
 from hf_ref import hf_greedy, hf_logprobs  # noqa: E402
 
+from megatron_rl.config import ConfigError  # noqa: E402
 from megatron_rl.demo import TinySpec, write_tiny_model  # noqa: E402
 from megatron_rl.rollout import EngineError, SamplingSpec, connect_fleet  # noqa: E402
 from megatron_rl.rollout.config import RolloutConfig  # noqa: E402
@@ -252,6 +253,11 @@ def test_fleet_samples_exactly_what_one_server_samples(fleet_env):
     # the trainer names engines that did not register
     with pytest.raises(EngineError, match=r"missing: \['h9-0'\]"):
         connect_fleet(_cfg(start_timeout_s=1.0), registry_dir=fleet_env["registry"], names=NAMES + ["h9-0"])
+    # every server says its max model length (vLLM's /v1/models); a run that needs more is refused
+    assert {e.max_model_len for e in fleet.engines} == {MAX_MODEL_LEN}
+    with pytest.raises(ConfigError, match=f"serves max_model_len={MAX_MODEL_LEN}, but the run samples up to "
+                                          f"{MAX_MODEL_LEN + 1} tokens"):
+        connect_fleet(_cfg(), registry_dir=fleet_env["registry"], names=NAMES, max_model_len=MAX_MODEL_LEN + 1)
 
 
 def test_fleet_kill9_mid_generation_requeues_with_the_same_samples(fleet_env):

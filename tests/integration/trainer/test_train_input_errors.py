@@ -1,5 +1,5 @@
 """`megatron-rl train` through its real entry point (world, CPU shim, tokenizer): an unusable data
-file or a stage too long for the model is one line naming file / stage and numbers, exit 2,
+file or a length too long for the model is one line naming file / key and numbers, exit 2,
 before the policy or an engine is built. The model's weights file is garbage: reaching the policy
 (or an engine) first would fail on it instead."""
 
@@ -61,12 +61,16 @@ def test_bad_data_file_is_one_line_before_anything_is_built(tmp_path, model):
     assert str(data) in line and "row 2" in line and "UTF-8" in line, line
 
 
-def test_stage_too_long_for_the_model_names_stage_and_numbers(tmp_path, model):
+def test_evaluation_too_long_for_the_model_names_key_and_numbers(tmp_path, model):
+    """The same check covers every stage's length (tests/unit/trainer/test_lengths.py walks them
+    in process); this one goes through the real entry point with the evaluation's."""
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"prompt": "1+1?", "reward_model": {"ground_truth": "2"}}) + "\n")
-    code, err = _train(tmp_path, _config(model, str(data), max_response_len=300))
+    cfg = _config(model, str(data))
+    cfg["rollout"]["eval_max_tokens"] = 300
+    code, err = _train(tmp_path, cfg)
     assert code == 2, err[-3000:]
     line = _one_line(err)
-    for text in ("stages[1].max_response_len", "'s2'", "64", "300", "364", "256",
+    for text in ("rollout.eval_max_tokens", "evaluation", "64", "300", "364", "256",
                  os.path.join(model, "config.json")):
         assert text in line, line

@@ -35,6 +35,10 @@ def _cfg(**parallel):
     ({"context_parallel": 4}, 6, "policy.parallel.tensor_parallel",
      r"context_parallel \(4\) = 4 does not divide the world size 6"),
     ({"context_parallel": 0}, 1, "policy.parallel.context_parallel", ">= 1"),
+    ({"context_parallel": 4, "cp_comm_type": "a2a"}, 4, "policy.parallel.cp_comm_type",
+     r"num_key_value_heads \(2\) / tensor_parallel \(1\) = 2 is not divisible"),
+    ({"context_parallel": 2, "tensor_parallel": 2, "cp_comm_type": "a2a"}, 4, "policy.parallel.cp_comm_type",
+     r"num_key_value_heads \(2\) / tensor_parallel \(2\) = 1 is not divisible"),
 ])
 def test_impossible_layouts_name_key_and_values(parallel, world, key, text):
     cfg = _cfg(**parallel)
@@ -48,6 +52,7 @@ def test_possible_layout_gives_data_parallel_size():
     assert check_layout(cfg.parallel, 8, SHAPE) == 2
     cfg = _cfg(tensor_parallel=2, context_parallel=2)  # CP ranks share a batch shard
     assert check_layout(cfg.parallel, 8, SHAPE) == 2
+    assert check_layout(_cfg(context_parallel=2, cp_comm_type="a2a").parallel, 4, SHAPE) == 2  # heads split
     assert cfg.parallel.model_parallel == 4
 
 
