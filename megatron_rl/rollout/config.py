@@ -88,9 +88,10 @@ class RolloutConfig(ConfigBase):
     max_inflight_seqs: int = ranged(0, ge=0)
     # vllm_server: tail hedging. When no request waits for room, an engine with room also takes a
     # request that has run on another engine for longer than this many times its own median request
-    # time (same seed, so the same samples); the first answer is taken and the other copy cancelled
+    # time (same seed, so the same samples); the first answer is taken and the other copy aborted
     # (``rollout/hedged_requests``, ``rollout/hedge_wins``). A slow engine's last requests then finish
-    # on the fast ones. 0: off.
+    # on the fast ones; one that stopped answering is still marked down within ``timeout_s`` (its
+    # aborted copies must answer within it). 0: off.
     hedge_after: float = ranged(1.5, ge=1.0, also=(0.0,))
     # Prompts per step (the seed's rollout batch size).
     rollout_batch_size: int = ranged(64, ge=1)

@@ -8,12 +8,15 @@ depend on which engine serves it, so the fleet samples exactly what one engine w
 Tail hedging (``rollout.hedge_after``): the work a slow engine took at the start (a full room of it)
 is the step's tail. When no request waits for room, an engine with room also takes a request that
 has run elsewhere for longer than ``hedge_after`` times its own median request time; both copies
-carry the same seed, so they sample the same tokens; the first answer is taken and the other copy
-cancelled (its HTTP request is dropped, which aborts it in vLLM). Only engines holding the same
-weight version hedge each other, and none while the fleet is paused.
+carry the same seed, so they sample the same tokens; the first answer is taken. The other copy is
+aborted on its engine (``/abort_requests``) but still awaited there, within ``rollout.timeout_s``
+of when it was sent, its result dropped: an engine whose requests were all hedged away (stopped,
+hung) is thus still found out within that time, and marked down, as without hedging. Only engines
+holding the same weight version hedge each other, and none while the fleet is paused.
 
 Faults: a request that fails (the engine died, refused or cut the connection, answered an error,
-or did not answer within ``rollout.timeout_s``) marks its engine DOWN; that engine's outstanding
+or did not answer within ``rollout.timeout_s``; a hedged request's losing copy included) marks its
+engine DOWN; that engine's outstanding
 requests are cancelled and re-sent to the others with the same seeds (counted in
 ``rollout/requeued_requests``). A DOWN engine stays out until :meth:`probe` finds it answering again
 (its launcher restarted it), the weight sync loads and verifies the current weights into it, and
@@ -34,11 +37,12 @@ import enum
 import logging
 import statistics
 import threading
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
-from megatron_rl.rollout.base import (UNKNOWN_VERSION, Completion, EngineError, PauseMode,
-                                      RolloutEngine, SamplingSpec)
+from megatron_rl.rollout.base import (UNKNOWN_VERSION, Completion, EngineDied, EngineError, EngineTimeout,
+                                      PauseMode, RolloutEngine, SamplingSpec)
 from megatron_rl.rollout.config import RolloutConfig
 
 log = logging.getLogger("megatron_rl")
@@ -86,6 +90,10 @@ class _Flight:
     copies: dict = field(default_factory=dict)  # copy task -> the slot serving it
     primary: _Slot | None = None                # the slot the request was dispatched to
     started: float = 0.0                        # loop time the primary copy was sent
+    # The id its copies carry on engines that can abort (the caller's request_id; with hedging, one
+    # of the fleet's, so that a losing copy can be aborted); None: none.
+    wire_id: str | None = None
+    answered: bool = False                      # a copy's answer was taken (the others lost)
 
 
 class EngineFleet(RolloutEngine):
@@ -234,7 +242,9 @@ class EngineFleet(RolloutEngine):
         """One prompt to the least-loaded live engine; re-sent elsewhere if that engine fails (and
         hedged onto another one if it is slow, see the module doc). ``request_id`` (unique among the
         requests in flight) lets :meth:`abort` stop it."""
-        flight = _Flight(list(prompt_ids), sampling, request_id, asyncio.Event())
+        wire_id = request_id if request_id is not None else (
+            f"{self.name}-{uuid.uuid4().hex}" if self.hedge_after > 0 else None)
+        flight = _Flight(list(prompt_ids), sampling, request_id, asyncio.Event(), wire_id=wire_id)
         if request_id is not None:
             with self._lock:
                 self._requests[request_id] = [asyncio.current_task(), flight]
@@ -250,8 +260,11 @@ class EngineFleet(RolloutEngine):
                     log.info("re-sending a request of engine %s: %s", slot.engine.name, exc)
         finally:
             self._flights.discard(flight)
-            for task in flight.copies:  # the losing copy of a hedged request, or all when aborted
-                task.cancel()
+            if flight.answered:
+                self._retire(flight)  # the losing copies of a hedged request
+            else:
+                for task in flight.copies:  # aborted (or failed): every copy goes
+                    task.cancel()
             if request_id is not None:
                 with self._lock:
                     self._requests.pop(request_id, None)
@@ -268,13 +281,35 @@ class EngineFleet(RolloutEngine):
     async def _copy(self, flight: _Flight, slot: _Slot) -> list[Completion]:
         t0 = self._loop.time()
         try:
-            out = await self._send(slot, flight.prompt_ids, flight.sampling, flight.request_id)
+            out = await self._send(slot, flight.prompt_ids, flight.sampling, flight.wire_id)
+            if flight.answered:  # a losing copy, aborted: its time says nothing of the engine's speed
+                return out
             slot.latencies.append(self._loop.time() - t0)
             if not slot.verified.is_set():
                 await self._until_verified(slot)
             return out
         finally:
             self._release(slot, flight.sampling.n)
+
+    def _retire(self, flight: _Flight) -> None:
+        """The copies that lost a hedged request's race: each engine is asked to abort its copy, and
+        the copy is still awaited (its result dropped; its room stays taken until it answers):
+        within ``rollout.timeout_s`` of when it was sent, or its engine is marked down (a stopped
+        engine whose every request was hedged away is found out as one that kept them)."""
+        for task, slot in flight.copies.items():
+            task.add_done_callback(_consume)
+            stop = getattr(slot.engine, "abort", None)
+            if stop is not None and flight.wire_id is not None:
+                asyncio.ensure_future(self._abort_copy(slot, stop, flight.wire_id)).add_done_callback(_consume)
+        flight.copies.clear()
+
+    async def _abort_copy(self, slot: _Slot, stop, wire_id: str) -> None:
+        try:
+            await stop([wire_id])
+        except (EngineDied, EngineTimeout) as exc:
+            self.mark_down(slot.engine, f"aborting a hedged request's losing copy failed: {exc}")
+        except EngineError as exc:  # the copy is still bounded by its own timeout
+            log.warning("engine %s: aborting a hedged request's losing copy failed: %s", slot.engine.name, exc)
 
     async def _race(self, flight: _Flight) -> list[Completion]:
         """The first copy's answer; raises _Requeue when every copy failed."""
@@ -293,6 +328,7 @@ class EngineFleet(RolloutEngine):
                 exc = task.exception()
                 if exc is None:
                     out = task.result()
+                    flight.answered = True
                     slot.served += len(out)
                     if slot is not flight.primary:
                         with self._lock:
@@ -367,7 +403,7 @@ class EngineFleet(RolloutEngine):
             if stop is None:
                 continue
             try:
-                await asyncio.to_thread(stop, rids)
+                await stop(rids)
             except EngineError as exc:  # its requests are cancelled here anyway
                 log.warning("engine %s: aborting %d requests failed: %s", slot.engine.name, len(rids), exc)
         return found
@@ -376,20 +412,25 @@ class EngineFleet(RolloutEngine):
                     request_id: str | None = None) -> list[Completion]:
         from megatron_rl.rollout.server import RequestRejected
 
-        extra = {} if request_id is None else {"request_id": request_id}
+        can_abort = getattr(slot.engine, "abort", None) is not None
+        extra = {} if request_id is None or not can_abort else {"request_id": request_id}
         request = asyncio.ensure_future(slot.engine.submit(prompt_ids, sampling, **extra))
         down = asyncio.ensure_future(slot.down.wait())
         slot.tasks.add(request)
-        try:
-            await asyncio.wait({request, down}, return_when=asyncio.FIRST_COMPLETED)
+        try:  # (a server bounds its request by the same timeout; this bounds any engine's)
+            await asyncio.wait({request, down}, timeout=self.cfg.timeout_s, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # aborted: the HTTP request goes too
             request.cancel()
             raise
         finally:
             slot.tasks.discard(request)
             down.cancel()
-        if not request.done():  # the engine went down while this request was in flight
+        if not request.done():
             request.cancel()
+            if not slot.down.is_set():
+                self.mark_down(slot.engine, f"engine {slot.engine.name}: no answer to a generation request "
+                                            f"within rollout.timeout_s={self.cfg.timeout_s:g}s")
+                raise _Requeue(slot.reason)
             raise _Requeue(f"engine {slot.engine.name} went down ({slot.reason})")
         try:
             out = request.result()
@@ -563,6 +604,13 @@ class EngineFleet(RolloutEngine):
 
 class _Requeue(Exception):
     """The request must go to another engine."""
+
+
+def _consume(task: asyncio.Future) -> None:
+    """Done callback of a task nobody awaits: its exception (an engine failure, already handled)
+    is retrieved so asyncio does not report it."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _reported_version(engine: RolloutEngine) -> str | None:

@@ -91,6 +91,13 @@ def parse_choices(reply: dict, n: int, where: str) -> list[dict]:
     return out
 
 
+def _raise_for_status(resp: httpx.Response, where: str) -> None:
+    """An error answer as :class:`RequestRejected` (4xx: the request itself) or :class:`EngineError`."""
+    if resp.status_code >= 400:
+        kind = RequestRejected if resp.status_code < 500 else EngineError
+        raise kind(f"{where} HTTP {resp.status_code}: {resp.text[:500]}")
+
+
 GENERATE = "/inference/v1/generate"  # needs the server's --enable-scale-out
 # The generate route names a request "generate-tokens-<request_id of the body>" inside vLLM
 # (vllm/entrypoints/scale_out/token_in_token_out/serving.py); /abort_requests takes that name.
@@ -138,10 +145,7 @@ class VLLMServer(RolloutEngine):
         except httpx.TransportError as exc:
             raise EngineDied(f"engine {self.name} ({self.url}): {method} {path} failed: "
                              f"{type(exc).__name__}: {exc}") from exc
-        if resp.status_code >= 400:
-            kind = RequestRejected if resp.status_code < 500 else EngineError
-            raise kind(f"engine {self.name} ({self.url}): {method} {path} -> HTTP {resp.status_code}: "
-                       f"{resp.text[:500]}")
+        _raise_for_status(resp, f"engine {self.name} ({self.url}): {method} {path} ->")
         return resp
 
     def health(self, timeout: float | None = None) -> bool:
@@ -200,12 +204,23 @@ class VLLMServer(RolloutEngine):
         if not ok.get("success", True):
             raise EngineError(f"engine {self.name} ({self.url}): /reset_prefix_cache refused (blocks still held)")
 
-    def abort(self, request_ids: list[str]) -> None:
+    async def abort(self, request_ids: list[str]) -> None:
         """Stop these requests (ids given with ``submit``); they answer at once with the tokens they
-        have and finish reason ``abort``. Unknown (finished) ids are ignored."""
-        if request_ids:
-            ids = [GENERATE_ID_PREFIX + rid for rid in request_ids]
-            self._call("POST", "/abort_requests", json={"request_ids": ids})
+        have and finish reason ``abort``. Unknown (finished) ids are ignored. Awaitable (the fleet's
+        loop aborts a hedged request's losing copy while it dispatches); within
+        ``rollout.control_timeout_s``, else :class:`EngineTimeout`."""
+        if not request_ids:
+            return
+        ids = [GENERATE_ID_PREFIX + rid for rid in request_ids]
+        where, limit = f"engine {self.name} ({self.url}): POST /abort_requests", self.cfg.control_timeout_s
+        try:
+            resp = await asyncio.wait_for(self._client().post("/abort_requests", json={"request_ids": ids},
+                                                              timeout=limit), limit)
+        except (httpx.TimeoutException, asyncio.TimeoutError) as exc:
+            raise EngineTimeout(f"{where}: no answer within {limit:.1f}s") from exc
+        except httpx.TransportError as exc:
+            raise EngineDied(f"{where} failed: {type(exc).__name__}: {exc}") from exc
+        _raise_for_status(resp, f"{where} ->")
 
     def pause(self, mode: PauseMode = "keep") -> None:
         # clear_cache only applies to abort / wait; "keep" keeps the cache for the frozen requests.
@@ -273,9 +288,7 @@ class VLLMServer(RolloutEngine):
                                 f"{self.cfg.timeout_s:g}s") from exc
         except httpx.TransportError as exc:
             raise EngineDied(f"{where}: generation request failed: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code >= 400:
-            kind = RequestRejected if resp.status_code < 500 else EngineError
-            raise kind(f"{where}: HTTP {resp.status_code}: {resp.text[:500]}")
+        _raise_for_status(resp, f"{where}:")
         out = []
         for c in parse_choices(resp.json(), sampling.n, where):
             spans = [(version_of(sp["version"], version), sp["start"], sp["end"]) for sp in c["spans"]

@@ -60,9 +60,11 @@ class SyncMetrics:
     # probe sequence over the engines that passed it (None: no probe).
     probe_gap_mean: float | None = None
     probe_gap_max: float | None = None
-    # Seconds by phase, where the transport measures them (servers: ``check`` = the fleet's health
-    # and version check, ``form`` = a new transfer group, the backend's round phases, ``commit`` =
-    # prefix-cache reset, version tag and checks, probe, on every engine at once).
+    # Seconds by phase, where the transport measures them (servers: ``start`` = the fleet's health
+    # and version check, and vLLM's start route sent meanwhile, ``form`` = a new transfer group, the
+    # backend's round phases (``broadcast``, ``load_tail``, ``finish``: vLLM's finish route, which
+    # also tags the version), ``commit`` = prefix-cache reset beside the version check, then the
+    # probe, on every engine at once).
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def add_probe_gap(self, gap: dict) -> None:

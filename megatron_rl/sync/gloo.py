@@ -226,9 +226,10 @@ class RoundReport:
     bytes: int = 0
     seconds: float = 0.0
     hash_seconds: float = 0.0
-    # seconds of the round by phase, on the sender: the start / finish routes (vLLM's layerwise
-    # reload set-up and finalisation on every engine), the broadcast of the buckets, and the wait
-    # for the update route after the last bucket (the engines loading what they received)
+    # seconds of the round by phase, on the sender: the start route (vLLM's layerwise reload set-up
+    # on every engine; ~0 when the sync sent it ahead), the broadcast of the buckets (the engines
+    # loading them as they arrive), the update route answering after the checksums' all-gather, and
+    # the finish route (the reload's finalisation and the version tag; sent at the all-gather)
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
     bucket_names: list[list[str]] = dataclasses.field(default_factory=list)
     sent: list[int] = dataclasses.field(default_factory=list)
@@ -290,7 +291,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         t0 = time.perf_counter()
         self.client.start_weight_update()
         t1 = time.perf_counter()
-        exe = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gloo-update")
+        exe = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="gloo-update")
         try:
             receiving = exe.submit(self.client.update_weights, update_info(meta))
 
@@ -300,11 +301,16 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
             report = self._broadcast(checked(source, meta), check)
             t2 = time.perf_counter()
+            # Every worker took part in the checksums' all-gather: it has received and loaded every
+            # bucket, and its update call is returning. The finish goes out now, not after the update
+            # route answers: each engine core runs its calls one at a time, in the order they came,
+            # so the finish runs right after the update, a round trip earlier.
+            finishing = exe.submit(self.client.finish_weight_update)
             receiving.result(timeout=info.timeout_s)
+            t3 = time.perf_counter()
+            finishing.result(timeout=info.timeout_s)
         finally:
             exe.shutdown(wait=False)  # after a failure the receivers may still be blocked
-        t3 = time.perf_counter()
-        self.client.finish_weight_update()
         report.seconds = time.perf_counter() - t0
         report.phases = {"start": t1 - t0, "broadcast": t2 - t1, "load_tail": t3 - t2,
                          "finish": report.seconds - (t3 - t0)}

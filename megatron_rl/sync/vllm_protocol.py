@@ -11,10 +11,16 @@ vLLM leaves to the caller: which engines take part (the fleet's live and rejoini
 is re-formed when that set changes), per-engine verification (one checksum per packed bucket where the
 backend reports them, then each of :attr:`ServerWeightSync.checks`, then the probe: every engine
 scores a fixed sequence and must match the trainer's log-probs, :mod:`megatron_rl.sync.probe`), the
-prefix-cache reset, each
-engine's verified version (:data:`UNKNOWN_VERSION` after a failed sync: it then serves nothing),
-timeouts, and the ``sync/*`` metrics. An engine that died is taken out of the fleet; one that failed
-but answers rejoins the next sync.
+prefix-cache reset, each engine's verified version (:data:`UNKNOWN_VERSION` after a failed sync: it
+then serves nothing), timeouts, and the ``sync/*`` metrics. An engine that died is taken out of the
+fleet; one that failed but answers rejoins the next sync.
+
+Round trips: a sync is the route calls on the critical path, each HTTP -> engine core -> worker and
+back, on every engine at once. The fleet's check (/weight_info: a silently restarted engine must
+rejoin) runs while vLLM's /start_weight_update goes out to the standing group (undone, rarely, when
+the check finds an engine to add); the version rides on /finish_weight_update (vLLM's finish route
+takes it), which the gloo backend sends as soon as every worker has received everything; then each
+engine's /reset_prefix_cache runs beside its version check (/weight_info).
 """
 
 from __future__ import annotations
@@ -51,7 +57,13 @@ class EngineCallFailed(SyncError):
 class FleetClient:
     """vLLM's ``VLLMWeightSyncClient`` protocol over several servers (``engines`` with
     ``weight_sync_client()`` and ``workers``). Each call goes to every server concurrently and returns
-    once all answered, or raises :class:`EngineCallFailed` as soon as any failed."""
+    once all answered, or raises :class:`EngineCallFailed` as soon as any failed.
+
+    What it adds to the protocol, per round (so vLLM's trainer-side engines drive it unchanged):
+    :meth:`begin` sets the round's weight version, which every ``finish_weight_update`` carries (vLLM's
+    finish route tags the engine with it: no separate tagging call); and a round whose start was sent
+    ahead (:meth:`start_ahead`, while the fleet's check runs) makes the backend's own
+    ``start_weight_update`` a no-op."""
 
     def __init__(self, engines: list, timeout_s: float):
         self.engines = list(engines)
@@ -63,12 +75,15 @@ class FleetClient:
             offset += e.workers
         self.offsets = offsets
         self.world_size = offset
-        self._pool = cf.ThreadPoolExecutor(max_workers=max(1, len(self.engines)), thread_name_prefix="wt-client")
-        self._in_flight: list[cf.Future] = []
+        # two calls may be in flight per server (a backend may send the finish behind the update)
+        self._pool = cf.ThreadPoolExecutor(max_workers=max(2, 2 * len(self.engines)), thread_name_prefix="wt-client")
+        self._in_flight: set[cf.Future] = set()
+        self.version: str | None = None  # the round's weight version (finish tags it)
+        self._started = False            # the round's start was sent ahead
 
     def _fanout(self, route: str, call: Callable[[int, Any], Any], timeout_s: float | None = None) -> None:
         futures = {self._pool.submit(call, i, c): i for i, c in enumerate(self.clients)}
-        self._in_flight = list(futures)
+        self._in_flight = {f for f in self._in_flight if not f.done()} | set(futures)
         done, pending = cf.wait(futures, timeout=timeout_s or self.timeout_s, return_when=cf.FIRST_EXCEPTION)
         failures = {}
         for fut in done:
@@ -86,6 +101,21 @@ class FleetClient:
         broken round before the group is re-formed."""
         cf.wait(self._in_flight, timeout=timeout_s)
 
+    def start_ahead(self) -> None:
+        """vLLM's start route on every server, ahead of the round (raises :class:`EngineCallFailed`)."""
+        self._fanout("start_weight_update", lambda i, c: c.start_weight_update())
+
+    def undo_start(self) -> None:
+        """Close a start sent ahead for a round that will not be sent after all (vLLM's finish route
+        without a version: a layerwise reload that received nothing puts every layer back)."""
+        self._fanout("finish_weight_update", lambda i, c: c.finish_weight_update(None))
+
+    def begin(self, version: int | str | None, *, started: bool = False) -> None:
+        """A new round: its version (``None``: finish tags nothing), and whether its start was sent
+        ahead (:meth:`start_ahead`; the round's own ``start_weight_update`` then sends nothing)."""
+        self.version = None if version is None else str(version)
+        self._started = started
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         def call(i, c):
             info = dict(init_info)
@@ -95,13 +125,17 @@ class FleetClient:
         self._fanout("init_weight_transfer_engine", call)
 
     def start_weight_update(self) -> None:
+        if self._started:
+            self._started = False
+            return
         self._fanout("start_weight_update", lambda i, c: c.start_weight_update())
 
     def update_weights(self, update_info) -> None:
         self._fanout("update_weights", lambda i, c: c.update_weights(update_info))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._fanout("finish_weight_update", lambda i, c: c.finish_weight_update(weight_version))
+        version = weight_version if weight_version is not None else self.version
+        self._fanout("finish_weight_update", lambda i, c: c.finish_weight_update(version))
 
     def shutdown_weight_transfer_engine(self) -> None:
         self._fanout("shutdown_weight_transfer_engine", lambda i, c: c.shutdown_weight_transfer_engine())
@@ -139,7 +173,8 @@ class ServerTransport:
 
 
 def check_reported_version(engine, version: int) -> None:
-    """The engine says it holds ``version`` (what ``/weight_info`` reports after the sync)."""
+    """The engine says it holds ``version`` (what ``/weight_info`` reports after the finish route
+    tagged it)."""
     reported = engine.server_weight_version()
     if reported != str(version):
         raise SyncError(f"engine {engine.name} reports weight version {reported!r}, expected {version}")
@@ -221,9 +256,11 @@ class ServerWeightSync(WeightSync):
             self._engine.send_weights()
             return SyncMetrics(version=version)
         t0 = time.perf_counter()
-        rejoining = self.fleet.probe()  # restarted engines: their transfer engine is new, re-form
-        phases = {"check": time.perf_counter() - t0}
+        started, rejoining = self._check_and_start()
+        phases = {"start": time.perf_counter() - t0}
         members = self.fleet.sync_targets()
+        if started and (rejoining or [e.name for e in members] != self._members):
+            started = self._undo_start()  # an engine joins (or left): the round starts afresh
         if not members:
             drain(named_tensors, version)
             raise SyncError(f"weight sync v{version}: no engine to load it; engines: {self.fleet.states()}")
@@ -234,6 +271,7 @@ class ServerWeightSync(WeightSync):
                 t1 = time.perf_counter()
                 self._form(members)
                 phases["form"] = time.perf_counter() - t1
+            self._client.begin(version, started=started)  # the finish route tags the version
             self.source.stream = stream
             self._engine.send_weights()
         except Exception as exc:  # noqa: BLE001 - attributed to engines below
@@ -249,7 +287,8 @@ class ServerWeightSync(WeightSync):
         if report is not None:
             metrics.bytes, metrics.tensors, metrics.buckets = report.bytes, report.tensors, report.buckets
             metrics.verify_seconds = report.hash_seconds
-            phases.update(getattr(report, "phases", {}) or {})
+            for k, v in (getattr(report, "phases", {}) or {}).items():
+                phases[k] = phases.get(k, 0.0) + v
         else:
             metrics.bytes = sum(m.dtype.itemsize * _numel(m.shape) for m in self.source.metadata())
             metrics.tensors = len(self.source.metadata())
@@ -289,19 +328,68 @@ class ServerWeightSync(WeightSync):
                         failures)
         return metrics
 
+    def _check_and_start(self) -> tuple[bool, list]:
+        """The fleet's check before a sync (:meth:`EngineFleet.probe`: DOWN engines that answer
+        again, live ones that report other weights than they were verified with: restarted) and,
+        while it runs, vLLM's start route on the members of the standing transfer group (the round
+        starts a route's round trip earlier). Returns (whether the start went out, the engines
+        rejoining). An engine whose start failed is out of this sync (down, or unknown weights)."""
+        client, members = self._client, self.fleet.sync_targets()
+        if client is None or self._engine is None or [e.name for e in members] != self._members:
+            return False, self.fleet.probe()
+        pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="wt-start")
+        try:
+            starting = pool.submit(client.start_ahead)
+            rejoining = self.fleet.probe()
+            try:
+                starting.result(timeout=self.config.timeout_s + 5)  # (the fan-out has its own timeout)
+                return True, rejoining
+            except EngineCallFailed as exc:
+                failed = exc.failures
+            except cf.TimeoutError:
+                failed = {e.name: f"no answer within {self.config.timeout_s:g}s" for e in members}
+        finally:
+            pool.shutdown(wait=False)
+        log.warning("weight sync: /start_weight_update failed on %s", failed)
+        self._undo_start()
+        for engine in members:
+            if engine.name in failed:
+                self._fail(engine, f"/start_weight_update failed: {failed[engine.name]}")
+        self._teardown()  # re-formed around the engines left
+        return False, rejoining
+
+    def _undo_start(self) -> bool:
+        try:
+            self._client.undo_start()
+        except SyncError as exc:  # such an engine fails its next start, then this sync
+            log.warning("weight sync: closing the start sent ahead failed: %s", exc)
+        return False
+
     def _commit(self, engine, version: int) -> dict | None:
-        """Reset the engine's prefix cache, tag and check its version, score the probe (what it
-        computes with the new weights), then admit it. Returns its probe gap (None: no probe).
+        """After the finish route loaded and tagged ``version`` (vLLM's finish takes the version):
+        reset the engine's prefix cache while its checks run (each :attr:`checks`, the reported
+        version first), score the probe (what it computes with the new weights), then admit it.
+        Returns its probe gap (None: no probe).
 
         Partial rollouts (the fleet paused with mode keep for the sync): the engine resumes before
         the probe, which a server paused in mode keep would not schedule; its frozen requests
         continue then, with the new weights (the reset dropped their KV, so it is recomputed), under
         the new version's label, and the fleet holds what they return until :meth:`admit` (or
         re-sends them if the probe fails)."""
-        engine.reset_prefix_cache()  # cached blocks (running requests' too) hold the old weights' KV
-        engine.set_weight_version(version)
-        for check in self.checks:
-            check(engine, version)
+        pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="wt-reset")
+        try:
+            # cached blocks (running requests' too) hold the old weights' KV
+            resetting = pool.submit(engine.reset_prefix_cache)
+            for check in self.checks:
+                check(engine, version)
+            try:
+                resetting.result(timeout=self.config.timeout_s)  # (the call has its own timeout)
+            except cf.TimeoutError:
+                raise SyncTimeout(f"engine {engine.name}: /reset_prefix_cache did not answer within "
+                                  f"{self.config.timeout_s:g}s") from None
+        finally:
+            pool.shutdown(wait=False)
+        engine.weight_version = version  # verified
         self.fleet.resume_paused(engine)
         gap = probe.check(engine, self.probe) if (self.config.verify and self.probe is not None) else None
         self.fleet.admit(engine)

@@ -403,6 +403,32 @@ def test_fleet_detects_a_stopped_server_within_the_timeout_and_completes(fleet_e
     finally:
         servers.signal(2, signal.SIGCONT)
         fleet.close()
+    # with tail hedging on, the stopped server's requests finish on the other one before its
+    # timeout; it is still found out within rollout.timeout_s (the losing copies are aborted on it
+    # and awaited), not left up to take the next step's requests
+    fleet = _survivors(fleet_env, timeout_s=timeout_s, max_inflight_seqs=8, hedge_after=1.5)
+    victim = fleet.engines[1]
+    real_submit, state = victim.submit, {"calls": 0, "t_stop": None}
+
+    async def stopping(prompt_ids, sampling, **kw):
+        state["calls"] += 1
+        if state["calls"] == 2:
+            servers.signal(2, signal.SIGSTOP)
+            state["t_stop"] = time.monotonic()
+        return await real_submit(prompt_ids, sampling, **kw)
+
+    victim.submit = stopping
+    try:
+        got = fleet.generate(PROMPTS, SAMPLE)
+        metrics = fleet.pop_metrics()
+        assert _tokens(got) == _tokens(want) and metrics["rollout/hedge_wins"] >= 1, metrics
+        while fleet.state(victim) is not EngineState.DOWN:
+            assert time.monotonic() - state["t_stop"] < timeout_s + 5, "hedging hid the stopped server"
+            time.sleep(0.05)
+        assert "rollout.timeout_s=6" in fleet._slot(victim).reason, fleet._slot(victim).reason
+    finally:
+        servers.signal(2, signal.SIGCONT)
+        fleet.close()
     # once it answers again it rejoins (and takes part in the next sync)
     fleet = _survivors(fleet_env)
     try:
@@ -454,6 +480,65 @@ def test_fleet_readmits_the_restarted_server_after_a_sync(fleet_env):
         for engine in fleet.engines:
             _assert_matches_hf(engine, hf, version=version)
         assert NAMES[1] in {c.engine for g in fleet.generate(PROMPTS, SAMPLE) for c in g}
+    finally:
+        sync.close()
+        fleet.close()
+
+
+def _formed(env):
+    """The three servers and a sync whose transfer group stands (one sync done)."""
+    fleet = _fleet(env, hedge_after=0.0)
+    sync = _sync(env, fleet)
+    try:
+        assert sync.sync(_named(env["hf"]), version=_next_version(env)).complete
+    except BaseException:
+        sync.close()
+        fleet.close()
+        raise
+    return fleet, sync
+
+
+def test_fleet_sync_catches_a_silently_restarted_server(fleet_env):
+    """The sync's check runs while vLLM's start route goes out: a server that restarted between
+    syncs (here: it left the transfer group and reports the base weights, as a fresh process does)
+    must still be found and re-formed into the group, not be sent a round it cannot receive."""
+    hf = fleet_env["hf"]
+    fleet, sync = _formed(fleet_env)
+    try:
+        restarted = fleet.engines[0]
+        restarted._call("POST", "/shutdown_weight_transfer_engine")
+        restarted._call("POST", "/update_weight_version", json={"new_version": "default"})
+        version = _next_version(fleet_env)
+        m = sync.sync(_named(hf), version=version)
+        assert m.complete and m.engines == 3 and not m.failures, m.failures
+        assert "form" in m.phases, m.phases  # re-formed around it
+        assert all(e.server_weight_version() == str(version) for e in fleet.engines)
+    finally:
+        sync.close()
+        fleet.close()
+
+
+def test_fleet_sync_fails_a_server_whose_version_tag_did_not_take(fleet_env):
+    """vLLM's finish route tags the version; a server whose tag did not take (as a vLLM that
+    ignored it) fails its version check and holds the unknown version until a later sync."""
+    hf = fleet_env["hf"]
+    fleet, sync = _formed(fleet_env)
+    try:
+        untagged = fleet.engines[1]
+        client = sync._client.clients[sync._client.engines.index(untagged)]
+        real_finish = client.finish_weight_update
+        client.finish_weight_update = lambda weight_version=None: real_finish(None)
+        try:
+            version = _next_version(fleet_env)
+            m = sync.sync(_named(hf), version=version)
+        finally:
+            client.finish_weight_update = real_finish
+        assert list(m.failures) == [untagged.name] and "reports weight version" in m.failures[untagged.name]
+        assert untagged.weight_version == UNKNOWN_VERSION and untagged.server_weight_version() == str(UNKNOWN_VERSION)
+        assert fleet.state(untagged) is EngineState.JOINING and not m.complete
+        version = _next_version(fleet_env)
+        m = sync.sync(_named(hf), version=version)
+        assert m.complete and m.engines == 3 and all(e.weight_version == version for e in fleet.engines)
     finally:
         sync.close()
         fleet.close()

@@ -131,6 +131,47 @@ def test_fleet_hedges_a_stalled_engines_requests_onto_engines_with_room_and_samp
     assert m["rollout/requeued_requests"] == 0 and m["rollout/engines_up"] == 3
 
 
+class Stopped(Stalled):
+    """A stopped server (SIGSTOP): it takes requests with ids and never answers them, nor an abort."""
+
+    def __init__(self, name):
+        super().__init__(name)
+        self.ids, self.aborts = [], []
+
+    async def submit(self, prompt_ids, sampling, request_id=None):
+        self.ids.append(request_id)
+        return await super().submit(prompt_ids, sampling)
+
+    async def abort(self, request_ids):
+        self.aborts += request_ids
+        await asyncio.Event().wait()
+
+
+def test_fleet_hedging_still_marks_down_an_engine_whose_requests_were_all_hedged_away():
+    """With tail hedging, a stopped engine's requests all finish elsewhere; their losing copies are
+    aborted on it and still awaited, so it is marked down within rollout.timeout_s (its hedged
+    requests are not counted as re-sent), not left up to take the next requests."""
+    engines = [Seeded("fast0", 0.01), Seeded("fast1", 0.01), Stopped("stop")]
+    cfg = RolloutConfig(engine="vllm_server", num_engines=3, max_num_seqs=4, timeout_s=1.0, hedge_after=1.5)
+    fleet = EngineFleet(engines, cfg)
+    try:
+        t0 = time.monotonic()
+        got = _all(fleet, PROMPTS, SPEC)
+        m = fleet.pop_metrics()
+        assert fleet.state("stop") is EngineState.UP  # (all answered before its timeout)
+        while fleet.state("stop") is not EngineState.DOWN:
+            assert time.monotonic() - t0 < 3.0, "the stopped engine was not marked down"
+            time.sleep(0.01)
+        reason = fleet._slot("stop").reason
+    finally:
+        fleet.close()
+    assert [[c.token_ids for c in g] for g in got] == _reference()
+    stop = engines[2]
+    assert stop.calls >= 2 and m["rollout/hedge_wins"] == stop.calls and m["rollout/requeued_requests"] == 0
+    assert sorted(stop.aborts) == sorted(stop.ids) and None not in stop.ids  # each losing copy, by its id
+    assert "rollout.timeout_s=1" in reason, reason
+
+
 def test_fleet_hedging_spares_engines_of_another_weight_version_and_is_off_at_zero():
     """A straggler's request may only be copied to an engine holding the same weights (or the
     samples could differ); hedge_after=0 turns hedging off. Either way its requests stay put."""
@@ -213,7 +254,7 @@ class Named(Seeded):
         self.sent.append(request_id)
         return await super().submit(prompt_ids, sampling)
 
-    def abort(self, request_ids):
+    async def abort(self, request_ids):
         self.aborted += request_ids
 
     def pause(self, mode="keep"):
