@@ -147,6 +147,14 @@ def torchrun(script: str | Path, *args: str, nproc: int = 4, timeout: float = 90
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    print("".join(line + "\n" for line in proc.stdout.splitlines() if line.startswith("case ")))
+
+
+def thread_count() -> int:
+    """This process's threads, native ones included (gloo's live in C++, not in ``threading``)."""
+    import os
+
+    return len(os.listdir("/proc/self/task"))
 
 
 def run_cases(cases: dict, only: set[str] | None) -> None:
@@ -162,6 +170,6 @@ def run_cases(cases: dict, only: set[str] | None) -> None:
         t0 = time.time()
         fn()
         if dist.get_rank() == 0:
-            print(f"case {name}: {time.time() - t0:.1f}s", flush=True)
+            print(f"case {name}: {time.time() - t0:.1f}s, {thread_count()} threads", flush=True)
     dist.barrier()
     dist.destroy_process_group()

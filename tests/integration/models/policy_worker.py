@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint  # noqa: F401 - CheckpointException
 
 sys.path.insert(0, str(Path(__file__).parent))
-from policy_testlib import make_batch, make_loss_fn, run_cases, seq_means  # noqa: E402
+from policy_testlib import make_batch, make_loss_fn, run_cases, seq_means, thread_count  # noqa: E402
 
 from megatron_rl.compat import apply_compat  # noqa: E402
 from megatron_rl.models import OptimConfig, ParallelConfig, PolicyConfig, init_distributed  # noqa: E402
@@ -180,11 +180,35 @@ def run_bad_layouts(out, hf_dir):
     _save(out, "bad_layouts", {"errors": errors, "built": len(built)})
 
 
+# Every group kind Megatron builds at 4 ranks: TP, PP (+ virtual), CP, DP with and without CP, and
+# their mixes; the first layout comes back last, so its two counts can be compared.
+THREAD_LAYOUTS = [dict(tensor_parallel=2, pipeline_parallel=2), dict(tensor_parallel=2),
+                  dict(pipeline_parallel=2, virtual_pipeline=2), dict(context_parallel=2),
+                  dict(context_parallel=4), dict(tensor_parallel=2, context_parallel=2),
+                  dict(pipeline_parallel=2, context_parallel=2), dict()]
+
+
+def run_threads(out):
+    """Threads per rank after each of three rounds over THREAD_LAYOUTS: each re-initialisation
+    destroys the old layout's groups (every gloo group holds threads until destroyed)."""
+    rounds = []
+    for _ in range(3):
+        counts = []
+        for layout in THREAD_LAYOUTS:
+            init_distributed(ParallelConfig(**layout, timeout_s=120))
+            counts.append(thread_count())
+        rounds.append(counts)
+    ranks = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(ranks, rounds)
+    _save(out, "threads", {"ranks": ranks})
+
+
 def main() -> None:
     out, hf_root = Path(sys.argv[1]), Path(sys.argv[2])
     only = set(sys.argv[3].split(",")) if len(sys.argv) > 3 else None
     llama = hf_root / "llama"
     cases = {
+        "threads": lambda: run_threads(out),  # first: nothing else has started threads yet
         "tp1": lambda: run_layout(out, llama, "tp1"),
         "tp2": lambda: run_layout(out, llama, "tp2", tp=2),
         "tp2_sp": lambda: run_layout(out, llama, "tp2_sp", tp=2, sp=True),
