@@ -15,3 +15,19 @@ def groups():
     g = init_distributed(ParallelConfig())
     yield g
     destroy_distributed()
+
+
+@pytest.fixture(scope="session")
+def parallel_run(tmp_path_factory):
+    """One ``torchrun --nproc-per-node 4`` of parallel_worker.py for test_policy_parallel.py and
+    test_context_parallel.py: the HF models it read (HF_ROOT) and each worker's results."""
+    from pathlib import Path
+
+    from policy_testlib import torchrun, write_hf_models
+
+    root = tmp_path_factory.mktemp("parallel")
+    hf = write_hf_models(root / "hf")
+    out = root / "out"
+    out.mkdir()
+    torchrun(Path(__file__).parent / "parallel_worker.py", out, hf)
+    return {"hf": hf, "out": out}

@@ -1,6 +1,7 @@
 """torchrun worker of the context-parallel tests: every case in one launch, results saved by rank 0.
 
 Usage: torchrun --nproc-per-node 4 cp_worker.py OUT_DIR HF_ROOT [CASES]
+(the suite runs its cases with policy_worker.py's in one launch: parallel_worker.py)
 HF_ROOT holds llama/ (4 layers, 4 heads / 2 KV heads), qwen2/ (tied, qkv bias) and qwen3/ (q/k
 norms, head_dim 16). Every case
 builds the policy at one layout, computes log-probs and entropy, takes one training step and saves
@@ -93,14 +94,13 @@ def run_checkpoint(out, hf_dir, ckpt_root):
                               "b_step2": _export(b)})
 
 
-def main() -> None:
-    out, hf_root = Path(sys.argv[1]), Path(sys.argv[2])
-    only = set(sys.argv[3].split(",")) if len(sys.argv) > 3 else None
+def cases(out: Path, hf_root: Path) -> dict:
+    """Every case of this worker, by name (results under ``out``)."""
     llama, qwen2, qwen3 = hf_root / "llama", hf_root / "qwen2", hf_root / "qwen3"
     full = RecomputeConfig(granularity="full", method="uniform", num_layers=1)
     block = RecomputeConfig(granularity="full", method="block", num_layers=2)
     selective = RecomputeConfig(granularity="selective", modules=["core_attn", "mlp"])
-    cases = {
+    return {
         "cp1": lambda: run_layout(out, llama, "cp1"),
         "cp2": lambda: run_layout(out, llama, "cp2", cp=2),  # x DP 2
         "cp4": lambda: run_layout(out, llama, "cp4", cp=4),
@@ -122,7 +122,11 @@ def main() -> None:
         "qwen3_cp2_tp2": lambda: run_layout(out, qwen3, "qwen3_cp2_tp2", cp=2, tp=2),
         "checkpoint": lambda: run_checkpoint(out, llama, out / "ckpt"),
     }
-    run_cases(cases, only)
+
+
+def main() -> None:
+    out, hf_root = Path(sys.argv[1]), Path(sys.argv[2])
+    run_cases(cases(out, hf_root), set(sys.argv[3].split(",")) if len(sys.argv) > 3 else None)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """torchrun worker for the parallel policy tests: runs every layout in one launch, saves results.
 
-Usage: torchrun --nproc-per-node 4 policy_worker.py OUT_DIR HF_ROOT
+Usage: torchrun --nproc-per-node 4 policy_worker.py OUT_DIR HF_ROOT [CASES]
+(the suite runs its cases with cp_worker.py's in one launch: parallel_worker.py)
 HF_ROOT holds llama/ qwen2/ qwen3/ written by policy_testlib.write_hf_model. Rank 0 writes
 OUT_DIR/<case>.pt with the Megatron numbers; the pytest side compares them with transformers.
 """
@@ -203,11 +204,10 @@ def run_threads(out):
     _save(out, "threads", {"ranks": ranks})
 
 
-def main() -> None:
-    out, hf_root = Path(sys.argv[1]), Path(sys.argv[2])
-    only = set(sys.argv[3].split(",")) if len(sys.argv) > 3 else None
+def cases(out: Path, hf_root: Path) -> dict:
+    """Every case of this worker, by name (results under ``out``)."""
     llama = hf_root / "llama"
-    cases = {
+    return {
         "threads": lambda: run_threads(out),  # first: nothing else has started threads yet
         "tp1": lambda: run_layout(out, llama, "tp1"),
         "tp2": lambda: run_layout(out, llama, "tp2", tp=2),
@@ -225,7 +225,11 @@ def main() -> None:
         "resume_exact": lambda: run_resume_exact(out, llama, out / "ckpt"),
         "bad_layouts": lambda: run_bad_layouts(out, llama),
     }
-    run_cases(cases, only)
+
+
+def main() -> None:
+    out, hf_root = Path(sys.argv[1]), Path(sys.argv[2])
+    run_cases(cases(out, hf_root), set(sys.argv[3].split(",")) if len(sys.argv) > 3 else None)
 
 
 if __name__ == "__main__":

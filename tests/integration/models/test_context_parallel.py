@@ -1,6 +1,7 @@
 """Context parallelism under torchrun (gloo, 4 ranks), against the CP=1 run and transformers.
 
-One ``torchrun --nproc-per-node 4`` launch (cp_worker.py) runs every layout: CP=2 (x DP 2), CP=4,
+One ``torchrun --nproc-per-node 4`` launch (cp_worker.py's cases, with policy_worker.py's:
+parallel_worker.py, the ``parallel_run`` fixture) runs every layout: CP=2 (x DP 2), CP=4,
 CP=2 x TP=2 (with and without sequence parallelism), CP=2 x PP=2 (also interleaved, VPP=2), the
 distributed optimizer, full recomputation, a sparse batch (a stand-in micro-batch, a CP rank with no
 response token), tied embeddings + qkv bias (Qwen2) and q/k norms (Qwen3), and a checkpoint saved
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from policy_testlib import hf_reference, make_batch, max_abs_diff, torchrun, write_hf_models
+from policy_testlib import hf_reference, make_batch, max_abs_diff
 
 pytestmark = pytest.mark.slow
 
@@ -31,12 +32,8 @@ OTHER = {"qwen2_cp2_pp2": "qwen2_cp1", "qwen3_cp2_tp2": "qwen3_cp1", "sparse_cp2
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("context_parallel")
-    hf = write_hf_models(root / "hf")
-    out = root / "out"
-    out.mkdir()
-    torchrun(HERE / "cp_worker.py", out, hf)
+def run(parallel_run):
+    hf, out = parallel_run["hf"], parallel_run["out"] / "cp"  # (one launch with the policy cases)
     sys.path.insert(0, str(HERE))
     import cp_worker
 

@@ -1,6 +1,7 @@
 """TP / PP / VPP / SP / DP layouts, HF round trip and cross-layout checkpoints under torchrun (gloo).
 
-One ``torchrun --nproc-per-node 4`` launch (policy_worker.py) runs every case and saves the
+One ``torchrun --nproc-per-node 4`` launch (policy_worker.py's cases, with cp_worker.py's:
+parallel_worker.py, the ``parallel_run`` fixture) runs every case and saves the
 Megatron numbers; this file compares them with float64 transformers and with the single-rank run.
 Models: Llama (4 layers, 4 heads / 2 KV heads), Qwen2 with tied embeddings, Qwen3 with q/k norms;
 vocabulary 61 (padded: exercises the padding mask); fp32. Tolerances:
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from policy_testlib import hf_reference, make_batch, max_abs_diff, torchrun, write_hf_models
+from policy_testlib import hf_reference, make_batch, max_abs_diff
 
 pytestmark = pytest.mark.slow
 
@@ -30,12 +31,8 @@ ARCH = {"tied_tp2pp2": "qwen2", "qknorm_tp2pp2": "qwen3"}  # others: llama
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("policy_parallel")
-    hf = write_hf_models(root / "hf")
-    out = root / "out"
-    out.mkdir()
-    torchrun(HERE / "policy_worker.py", out, hf)
+def run(parallel_run):
+    hf, out = parallel_run["hf"], parallel_run["out"] / "policy"  # (one launch with the CP cases)
     worker = _worker_module()
     batch = make_batch(worker.LENGTHS, worker.PROMPTS)
     sparse = make_batch(worker.SPARSE_LENGTHS, worker.SPARSE_PROMPTS)
