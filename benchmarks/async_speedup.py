@@ -11,7 +11,8 @@ for each of ``--seeds`` (data order and sampling seeds; same SFT checkpoint, sam
 set), both with the same objective (``--algo``, default TIS: stale samples need it, and it costs the
 synchronous run an old-log-prob pass). The trainer process is pinned to core 0 and the engine
 (a vLLM server the trainer starts: ``vllm_server``, colocated, gloo sync) to core 1, one thread each. Prints, per run, the GRPO wall time (the steps' summed ``timing/step``),
-the greedy held-out accuracy after the stage (500 problems; also for the SFT weights themselves) and
+the greedy held-out accuracy after the stage (``--eval-size`` problems, 2000 by default; also for the SFT
+weights themselves), the mean of the last three evaluations, and
 the step's time split; then the ratios: async vs sync (ours vs naive), the physical floor of
 one-step-off, max(generation + reward, old log-probs + update) + sync per step, from the sync runs'
 own split, and (estimated from that split) async vs a synchronous loop that skips the old-log-prob
