@@ -271,6 +271,8 @@ def main() -> None:
         print("| phase | s |\n| --- | --- |")
         for k, v in phases.items():
             print(f"| sender: {k} | {med(v):.3f} |")
+        routes = sum(med(phases[k]) for k in ("start", "load_tail", "finish", "commit") if k in phases)
+        print(f"| sender: route round trips (start with the check, load tail, finish, commit) | {routes:.3f} |")
         for name, w in worker.items():
             print(f"| {name}: start (reload set-up) {med(w['start_seconds']):.3f}, receive {med(w['seconds']):.3f} "
                   f"(blocked on the broadcast {med(w['wait_seconds']):.3f}, vLLM load_weights "
@@ -348,7 +350,7 @@ def main() -> None:
     print(json.dumps({"straggler_speedup": round(s_med / h_med, 3), "sync_vs_floor": round(off / fl, 3),
                       "verify_overhead": round((on - off) / off, 3), "probe_vs_sync": round(probe / off, 3),
                       "straggler_speedup_no_hedging": round(s_med / p_med, 3),
-                      "sync_vs_floor_with_engine_load": round(off / floor2, 3)}))
+                      "sync_vs_floor_with_engine_load": round(off / floor2, 3), "sync_route_s": round(routes, 3)}))
 
 
 if __name__ == "__main__":
