@@ -28,7 +28,6 @@ before and after and per run; read the ratios within one run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -269,7 +268,10 @@ def grpo_run(work: Path, sft: Path, mode: str, seed: int, steps: int, algo: list
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    from megatron_rl.common.cli_args import ArgumentParser
+    from megatron_rl.trainer.schema import load_run_config
+
+    p = ArgumentParser(prog="python benchmarks/async_speedup.py", command="async_speedup")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--seeds", type=int, nargs="*", default=[1, 2])
     # Which runs to make (finished runs are reused): one locked command per (seed, mode) keeps each
@@ -288,6 +290,9 @@ def main() -> None:
     # one-step-off needs (stale samples) and costs the synchronous run one old-log-prob pass.
     p.add_argument("--algo", nargs="*", default=["algo.mismatch.mode=tis_token"])
     args = p.parse_args()
+    # the runs' config with --algo's overrides, checked now: a bad key is one line here, not a failed
+    # run's log after the SFT cold start
+    load_run_config(CONFIG, list(args.algo)).stage(STAGE)
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("needs two cores (engine and trainer each on one)")
     BUDGET.setup(args.work, args.budget_s)
@@ -379,4 +384,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from megatron_rl.common.cli_args import run_main
+
+    sys.exit(run_main(main))

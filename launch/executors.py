@@ -51,6 +51,8 @@ def resolve_stage(cfg: LaunchConfig) -> tuple[str, Path]:
 # engine group's hosts.
 TRAINER_HOST = "$het_group_host_0"
 ENGINE_HOSTS = "$(scontrol show hostnames $SLURM_JOB_NODELIST_HET_GROUP_1 | paste -sd, -)"
+# The first node's address in NeMo-Run's Slurm batch script.
+HEAD_NODE_IP = "$head_node_ip"
 
 
 def uses_servers(cfg: LaunchConfig) -> bool:
@@ -70,9 +72,19 @@ def engine_overrides(cfg: LaunchConfig) -> list[str]:
         return ["rollout.engine=vllm_server", "rollout.placement=dedicated", "rollout.num_engines=0",
                 f"rollout.hosts=[{ENGINE_HOSTS}]", f"sync.master_addr={TRAINER_HOST}"]
     if uses_servers(cfg):
-        addr = "$head_node_ip" if cfg.executor == "slurm" else "127.0.0.1"
+        addr = HEAD_NODE_IP if cfg.executor == "slurm" else "127.0.0.1"
         return ["rollout.placement=colocated", f"sync.master_addr={addr}"]
     return []
+
+
+def check_run_config(cfg: LaunchConfig, stage: str, run_dir: Path) -> None:
+    """The trainer's config as the job will load it (its overrides, the placement's, the run
+    directory), validated here before anything is submitted: a bad key or value is refused now,
+    naming it, not in the job."""
+    from megatron_rl.tools.job_config import check_job_config
+
+    check_job_config(str(cfg.config_path()), [f"trainer.run_dir={run_dir}", *cfg.overrides], stage=stage,
+                     dedicated=cfg.rollout_placement == "dedicated")
 
 
 def _quote(arg: str) -> str:
@@ -100,7 +112,7 @@ def node_command(cfg: LaunchConfig, stage: str, run_dir: Path) -> list[str]:
         # Quoted here: NeMo-Run pastes the arguments into the srun line as they are, so that the
         # rendezvous variables below expand in the batch shell.
         port = str(cfg.master_port) if cfg.master_port else "$((20000+SLURM_JOB_ID%20000))"
-        head = TRAINER_HOST if cfg.rollout_placement == "dedicated" else "$head_node_ip"
+        head = TRAINER_HOST if cfg.rollout_placement == "dedicated" else HEAD_NODE_IP
         return ["torchrun", f"--nnodes={cfg.nodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={head}:{port}", "--rdzv-id=$SLURM_JOB_ID",
                 "--max-restarts=0", "-m", "megatron_rl.cli", *map(_quote, args)]

@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 
 from launch.config import HOME, LaunchConfig
-from launch.executors import make_executors, make_tasks, node_command, resolve_stage
+from megatron_rl.common.cli_args import ArgumentParser, run_main
+from launch.executors import check_run_config, make_executors, make_tasks, node_command, resolve_stage
 
 
 def _experiment_title(cfg: LaunchConfig, stages: list[str]) -> str:
@@ -45,6 +46,7 @@ def _prepare(cfgs: list[LaunchConfig]):
     for cfg in cfgs:
         cfg.validate()
         stage, run_dir = resolve_stage(cfg)
+        check_run_config(cfg, stage, run_dir)
         home = _nemorun_home(cfg, run_dir)
         cfg.check_script_paths({"run_dir": str(run_dir), "job_dir": str(home), "config": str(cfg.config_path()),
                                 "venv": cfg.venv, "overrides": " ".join(cfg.overrides),
@@ -118,8 +120,8 @@ def launch(cfgs: list[LaunchConfig]) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[list[LaunchConfig], bool]:
-    p = argparse.ArgumentParser(prog="python -m launch.run", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m launch.run", command="launch", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage", required=True,
                    help="stage1 | stage2 | stage3 (or 1 | 2 | 3); several, comma-separated, are chained")
     p.add_argument("--executor", default="slurm", choices=["slurm", "local"])
@@ -171,17 +173,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[LaunchConfig], bool]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_rl.config import ConfigError
+    """Submit or run the stages; a bad command line, config or input is one line on stderr,
+    ``megatron-rl: ...``, exit 2 (as every entry point: ``megatron_rl.common.cli_args``)."""
 
-    cfgs, dry = parse_args(argv)
-    try:
+    def go() -> int:
+        cfgs, dry = parse_args(argv)
         if dry:
             print(dry_run(cfgs))
             return 0
         return launch(cfgs)
-    except ConfigError as exc:
-        print(f"launch: {exc}", file=sys.stderr)
-        return 2
+
+    return run_main(go)
 
 
 if __name__ == "__main__":

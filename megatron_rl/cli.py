@@ -145,15 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     the exit code is 2; a run that trains nothing (:class:`~megatron_rl.trainer.no_update.NoUpdateStop`)
     prints its diagnosis the same way with exit code 3; any other exception is a bug and keeps its
     traceback."""
-    from megatron_rl.common.errors import InputError
+    from megatron_rl.common.cli_args import report, run_main
     from megatron_rl.trainer.no_update import NoUpdateStop
 
     try:
-        return _main(list(sys.argv[1:] if argv is None else argv))
-    except (InputError, NoUpdateStop) as exc:
-        rank = int(os.environ.get("RANK", "0"))
-        print(f"megatron-rl: {'' if rank == 0 else f'(rank {rank}) '}{exc}", file=sys.stderr)
-        return NO_UPDATE_EXIT_CODE if isinstance(exc, NoUpdateStop) else 2
+        return run_main(lambda: _main(list(sys.argv[1:] if argv is None else argv)))
+    except NoUpdateStop as exc:
+        report(exc)
+        return NO_UPDATE_EXIT_CODE
 
 
 def _main(argv: list[str]) -> int:

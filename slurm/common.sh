@@ -2,7 +2,9 @@
 # Shared body of slurm/stage{1_8k,2_16k,3_32k}.sh: one stage of the recipe in one Slurm job.
 #
 # What a job does
-#   1. resolves the checkout, the config, the run directory and which stage to run;
+#   1. resolves the checkout, the config, the run directory and which stage to run, the config
+#      validated with the trainer's overrides (megatron_rl/tools/job_config.py: a bad key or value is
+#      one line, `megatron-rl: ...`, exit 2, before any srun);
 #   2. splits the allocation: trainer nodes (all, or all but ROLLOUT_NODES when the rollout engines
 #      get dedicated nodes); MASTER_ADDR = first trainer host of `scontrol show hostnames`;
 #   3. `srun` one task per trainer node (optionally inside a pyxis container); each task runs
@@ -54,28 +56,19 @@ mrl_python() {  # a Python that can import megatron_rl (the venv's when VENV is 
   if [ -n "${VENV:-}" ]; then echo "$VENV/bin/python"; else command -v python || command -v python3; fi
 }
 
-mrl_config_get() {  # mrl_config_get CONFIG INDEX: "<name of stage INDEX (1-based)> <trainer.run_dir>"
-  "$(mrl_python)" - "$1" "$2" <<'EOF_PY'
-import sys
-from megatron_rl.config.loader import load_yaml_tree
-tree = load_yaml_tree(sys.argv[1])
-stages = tree.get("stages") or []
-i = int(sys.argv[2])
-if not 1 <= i <= len(stages):
-    sys.exit(f"{sys.argv[1]}: has {len(stages)} stages, no stage number {i}")
-print(stages[i - 1]["name"], (tree.get("trainer") or {}).get("run_dir", "runs/default"))
-EOF_PY
+mrl_fail() {  # an input the job cannot use: one line, as every megatron-rl entry point (exit 2)
+  echo "megatron-rl: $*" >&2; return 2
 }
 
-mrl_config_engine() {  # mrl_config_engine CONFIG "OVERRIDES": the rollout.engine the run uses
-  "$(mrl_python)" - "$1" "$2" <<'EOF_PY'
-import sys
-from megatron_rl.config.loader import apply_override, load_yaml_tree
-tree = load_yaml_tree(sys.argv[1])
-for item in sys.argv[2].split():
-    tree = apply_override(tree, item)
-print((tree.get("rollout") or {}).get("engine", "vllm"))
-EOF_PY
+mrl_job_config() {  # mrl_job_config CONFIG [OVERRIDE ...]: "<stage>\n<trainer.run_dir>\n<rollout.engine>",
+  # the config validated with the overrides the trainer gets (a bad key: one line, exit 2)
+  local config="$1"; shift
+  local which=(--index "$STAGE_INDEX")
+  [ -n "${STAGE:-}" ] && which=(--stage "$STAGE")
+  local dedicated=()
+  [ "${ROLLOUT_PLACEMENT:-colocated}" = dedicated ] && dedicated=(--dedicated)
+  PYTHONPATH="$(mrl_home)${PYTHONPATH:+:$PYTHONPATH}" \
+    "$(mrl_python)" -m megatron_rl.tools.job_config --config "$config" "${which[@]}" "${dedicated[@]}" "$@"
 }
 
 mrl_stage_finished() {  # mrl_stage_finished RUN_DIR STAGE: RUN_DIR/run_state.json lists STAGE as finished
@@ -95,12 +88,17 @@ mrl_main() {
   home="$(mrl_home)"
   submit="${SLURM_SUBMIT_DIR:-$PWD}"
   config="$(mrl_abs "${CONFIG:-$DEFAULT_CONFIG}" "$home")"
-  [ -f "$config" ] || { mrl_log "CONFIG not found: $config"; return 2; }
-  local from_config
-  from_config="$(mrl_config_get "$config" "$STAGE_INDEX")" || return 2
-  stage="${STAGE:-${from_config%% *}}"
+  [ -f "$config" ] || { mrl_fail "CONFIG not found: $config"; return 2; }
+  local user_overrides=()
+  [ -n "${MODEL_PATH:-}" ] && user_overrides+=("model.path=$MODEL_PATH")
+  [ -n "${INIT_FROM:-}" ] && user_overrides+=("trainer.init_from=$INIT_FROM")
+  # shellcheck disable=SC2206  # OVERRIDES is a space-separated list by design
+  [ -n "${OVERRIDES:-}" ] && user_overrides+=(${OVERRIDES})
+  local from_config config_run_dir engine
+  from_config="$(mrl_job_config "$config" "${user_overrides[@]}")" || return 2
+  { read -r stage; read -r config_run_dir; read -r engine; } <<<"$from_config"
   if [ -n "${RUN_DIR:-}" ]; then run_dir="$(mrl_abs "$RUN_DIR" "$submit")"
-  else run_dir="$(mrl_abs "${from_config#* }" "$home")"; fi
+  else run_dir="$(mrl_abs "$config_run_dir" "$home")"; fi
 
   # --- nodes: trainer hosts and (optionally) dedicated rollout hosts -----------------------------
   local hosts=() train_hosts rollout_hosts=() n_rollout=0
@@ -121,11 +119,11 @@ mrl_main() {
       else
         n_rollout="${ROLLOUT_NODES:-1}"
         if [ "$n_rollout" -ge "${#hosts[@]}" ]; then
-          mrl_log "ROLLOUT_NODES=$n_rollout leaves no trainer node out of ${#hosts[@]}"; return 2
+          mrl_fail "ROLLOUT_NODES=$n_rollout leaves no trainer node out of ${#hosts[@]}"; return 2
         fi
         rollout_hosts=("${hosts[@]:$(( ${#hosts[@]} - n_rollout ))}")
       fi ;;
-    *) mrl_log "ROLLOUT_PLACEMENT must be colocated or dedicated, got '$ROLLOUT_PLACEMENT'"; return 2 ;;
+    *) mrl_fail "ROLLOUT_PLACEMENT must be colocated or dedicated, got '$ROLLOUT_PLACEMENT'"; return 2 ;;
   esac
   local h r keep
   train_hosts=()
@@ -150,8 +148,6 @@ mrl_main() {
   # Rollout engines: vLLM servers started per node (colocated: by slurm/node_launch.sh before the
   # trainer; dedicated: as their own srun step on the engine hosts), found by the trainer in the
   # run directory's engine registry; weights through vLLM's RL routes from MASTER_ADDR.
-  local engine
-  engine="$(mrl_config_engine "$config" "${OVERRIDES:-}")" || return 2
   if [ "$n_rollout" -gt 0 ]; then
     engine=vllm_server
     common_args+=("rollout.engine=vllm_server" "rollout.placement=dedicated" "rollout.num_engines=0"
@@ -175,9 +171,9 @@ mrl_main() {
                 --rdzv-id="mrl-${SLURM_JOB_ID:-local}-${SLURM_RESTART_COUNT:-0}"
                 --max-restarts=0 -m megatron_rl.cli "${train_args[@]}") ;;
     direct)
-      if [ "$n_train" -ne 1 ]; then mrl_log "LAUNCHER=direct runs one process: use one node"; return 2; fi
+      if [ "$n_train" -ne 1 ]; then mrl_fail "LAUNCHER=direct runs one process: use one node"; return 2; fi
       node_cmd=(python -m megatron_rl.cli "${train_args[@]}") ;;
-    *) mrl_log "LAUNCHER must be torchrun or direct, got '$LAUNCHER'"; return 2 ;;
+    *) mrl_fail "LAUNCHER must be torchrun or direct, got '$LAUNCHER'"; return 2 ;;
   esac
 
   # One task per node that gets all the CPUs the job holds there (torchrun and its workers share them).

@@ -28,7 +28,7 @@ if [ -n "${VENV:-}" ]; then
   # shellcheck disable=SC1091
   source "$VENV/bin/activate"
 fi
-[ "$#" -gt 0 ] || { echo "usage: node_launch.sh COMMAND... | node_launch.sh --engines" >&2; exit 2; }
+[ "$#" -gt 0 ] || { echo "megatron-rl: node_launch.sh: usage: node_launch.sh COMMAND... | node_launch.sh --engines" >&2; exit 2; }
 if [ -n "${MEGATRON_RL_HOME:-}" ]; then cd "$MEGATRON_RL_HOME" || exit 2; fi
 
 log() { echo "[node_launch ${MRL_NODE_NAME:-$(hostname -s)} $(date +%H:%M:%S)] $*" >&2; }
@@ -40,7 +40,7 @@ if [ -n "${MRL_ENGINE_ARGS:-}" ]; then
   eval "engine_cmd=(python -m megatron_rl.cli $MRL_ENGINE_ARGS)"
 fi
 if [ "$1" = "--engines" ]; then  # a dedicated engine node: only this node's vLLM servers, until TERM
-  [ "${#engine_cmd[@]}" -gt 0 ] || { log "--engines needs MRL_ENGINE_ARGS"; exit 2; }
+  [ "${#engine_cmd[@]}" -gt 0 ] || { echo "megatron-rl: node_launch.sh: --engines needs MRL_ENGINE_ARGS" >&2; exit 2; }
   log "starting this node's rollout engines"
   exec "${engine_cmd[@]}"
 fi

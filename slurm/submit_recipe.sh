@@ -32,10 +32,29 @@ flags=()
 # shellcheck disable=SC2206  # SBATCH_EXTRA is a space-separated flag list by design
 [ -n "${SBATCH_EXTRA:-}" ] && flags+=(${SBATCH_EXTRA})
 
+# Every stage's config is validated with the overrides its job will get before the first sbatch: a bad
+# key or value is one line, `megatron-rl: ...`, exit 2, and nothing is submitted.
+py="${VENV:+$VENV/bin/python}"
+py="${py:-$(command -v python || command -v python3)}"
+user_overrides=()
+[ -n "${MODEL_PATH:-}" ] && user_overrides+=("model.path=$MODEL_PATH")
+[ -n "${INIT_FROM:-}" ] && user_overrides+=("trainer.init_from=$INIT_FROM")
+# shellcheck disable=SC2206  # OVERRIDES is a space-separated list by design
+[ -n "${OVERRIDES:-}" ] && user_overrides+=(${OVERRIDES})
+dedicated=()
+[ "${ROLLOUT_PLACEMENT:-colocated}" = dedicated ] && dedicated=(--dedicated)
+checks=()
+for ((i = ${FIRST_STAGE:-1}; i <= ${LAST_STAGE:-3}; i++)); do
+  config="$config_dir/stage$i.yaml"
+  [ -f "$config" ] || { echo "megatron-rl: submit_recipe: no config $config" >&2; exit 2; }
+  checks+=(--config "$config" --index "$i")
+done
+PYTHONPATH="$home${PYTHONPATH:+:$PYTHONPATH}" "$py" -m megatron_rl.tools.job_config "${checks[@]}" \
+  "${dedicated[@]}" "${user_overrides[@]}" >/dev/null || exit 2
+
 dep="${AFTER:-}"
 for ((i = ${FIRST_STAGE:-1}; i <= ${LAST_STAGE:-3}; i++)); do
   config="$config_dir/stage$i.yaml"
-  [ -f "$config" ] || { echo "submit_recipe: no config $config" >&2; exit 2; }
   job_flags=("${flags[@]}" --parsable --export="ALL,CONFIG=$config,RUN_DIR=$run_dir,MEGATRON_RL_HOME=$home")
   [ -n "$dep" ] && job_flags+=(--dependency="afterok:$dep" --kill-on-invalid-dep=yes)
   dep="$(sbatch "${job_flags[@]}" "$home/slurm/${scripts[$i]}")"
