@@ -229,6 +229,13 @@ class ConfigBase:
         name = yaml_key(f) if f is not None else name
         return f"{prefix}.{name}" if prefix else name
 
+    def differs_from_default(self, name: str) -> bool:
+        """Whether field ``name`` holds another value than the one it declares (a key that only acts
+        with another one set is refused when set without it)."""
+        f = next(f for f in dataclasses.fields(self) if f.name == name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        return getattr(self, name) != default
+
     def fail(self, name: str, message: str) -> None:
         """Raise a ConfigError for field ``name`` of this config."""
         raise ConfigError(self.key(name), message)

@@ -8,6 +8,10 @@ from megatron_rl.config.base import ConfigBase, ranged
 
 ENGINES = ("vllm", "vllm_server")
 PLACEMENTS = ("colocated", "dedicated", "external")
+# The keys of a fleet of vLLM servers (placement, discovery, control timeouts, dispatch); the
+# in-process engine has none of these.
+SERVER_ONLY = ("placement", "engines_per_node", "server_urls", "hosts", "registry_dir", "start_timeout_s",
+               "control_timeout_s", "max_inflight_seqs", "hedge_after")
 
 
 @dataclass(kw_only=True)
@@ -35,7 +39,7 @@ class AsyncConfig(ConfigBase):
     # algo.filter_zero_variance_groups.
     dynamic_sampling: bool = False
     # Cap of dynamic sampling: at most this many times rollout_batch_size prompts are drawn for one
-    # step; a step that reaches it trains on the groups it has.
+    # step; a step that reaches it trains on the groups it has. Refused without dynamic_sampling.
     max_draw_factor: float = ranged(3.0, ge=1.0)
 
     @property
@@ -50,6 +54,10 @@ class AsyncConfig(ConfigBase):
 
     def validate(self) -> None:
         super().validate()
+        if not self.dynamic_sampling and self.differs_from_default("max_draw_factor"):
+            self.fail("max_draw_factor", f"caps dynamic sampling's draws ({self.max_draw_factor:g} x "
+                                         f"rollout_batch_size); without dynamic_sampling=true nothing draws "
+                                         f"more than a step's prompts, so it would do nothing")
         if self.partial_rollout and self.max_staleness < 1:
             self.fail("partial_rollout", "needs max_staleness >= 1 (a response sampled across a weight "
                                          "update is one version old when it is trained on)")
@@ -136,6 +144,11 @@ class RolloutConfig(ConfigBase):
             self.fail("engine", f"must be one of {list(ENGINES)}, got {self.engine!r}")
         if self.placement not in PLACEMENTS:
             self.fail("placement", f"must be one of {list(PLACEMENTS)}, got {self.placement!r}")
+        if self.engine == "vllm":  # the in-process engine: the fleet's keys would do nothing
+            for name in SERVER_ONLY:
+                if self.differs_from_default(name):
+                    self.fail(name, f"acts on vLLM servers (engine='vllm_server') only, got {getattr(self, name)!r} "
+                                    f"with engine='vllm' (the in-process engine), which ignores it")
         if self.engine == "vllm" and self.num_engines != 1:
             self.fail("num_engines", f"{self.num_engines} engines need engine='vllm_server' "
                                      "(the in-process engine is one)")

@@ -8,6 +8,11 @@ from megatron_rl.config.base import ConfigBase, ranged
 from megatron_rl.sync.registry import TRANSPORTS
 
 
+# The keys of a transfer to vLLM servers; the in-process hand-over has none of these (it cannot be
+# incomplete, so it is never retried).
+TRANSFER_ONLY = ("bucket_bytes", "timeout_s", "master_addr", "retries")
+
+
 @dataclasses.dataclass(kw_only=True)
 class SyncConfig(ConfigBase):
     """How the trained weights reach the rollout engines after every update."""
@@ -19,10 +24,11 @@ class SyncConfig(ConfigBase):
     transport: str = "inprocess"
     # Size of one packed bucket in bytes. Tensors are packed per dtype into buckets of this size; a
     # tensor larger than a bucket travels alone. Anchors: slime 512 MiB, verl 2 GiB; on CPU (gloo)
-    # 16-64 MiB pipelines better (benchmarks/RESULTS.md).
+    # 16-64 MiB pipelines better (benchmarks/RESULTS.md). Servers only (refused with "inprocess").
     bucket_bytes: int = ranged(512 * 1024 * 1024, ge=1024)
     # Upper bound in seconds on every wait of a sync (group formation, each collective, each engine
     # reply). An engine that dies or hangs makes the sender give up on it within about this time.
+    # Servers only (refused with "inprocess").
     timeout_s: float = ranged(120.0, gt=0.0)
     # Verify every sync: what each engine received (one checksum per packed bucket compared with
     # the sender's, gloo), the version it reports, and what it computes (probe_tolerance); an
@@ -34,10 +40,11 @@ class SyncConfig(ConfigBase):
     # float32 engines, 3e-2 for half precision (rollout.dtype).
     probe_tolerance: float | None = ranged(None, gt=0.0)
     # Host the sender's rendezvous store binds to; engines connect to it (must be reachable from
-    # every engine: the sbatch scripts set the trainer's first host).
+    # every engine: the sbatch scripts set the trainer's first host). Servers only.
     master_addr: str = "127.0.0.1"
     # When a sync leaves some reachable engine without the new weights (another engine died
     # mid-transfer, a checksum differed), sync again with a fresh export up to this many times.
+    # Servers only (the in-process hand-over cannot be incomplete).
     retries: int = ranged(1, ge=0)
 
     def validate(self) -> None:
@@ -46,3 +53,8 @@ class SyncConfig(ConfigBase):
             self.fail("transport", f"must be one of {sorted(TRANSPORTS)}, got {self.transport!r}")
         if not self.master_addr:
             self.fail("master_addr", "must be a host name or address")
+        if self.transport == "inprocess":  # the tensors are handed over: no buckets, store, waits or retries
+            for name in TRANSFER_ONLY:
+                if self.differs_from_default(name):
+                    self.fail(name, f"acts on a weight transfer to vLLM servers (gloo, nccl, ipc) only, got "
+                                    f"{getattr(self, name)!r} with transport='inprocess', which ignores it")

@@ -1220,7 +1220,11 @@ class FleetProbe:
 
 LAUNCH = ["rollout.placement=colocated", "rollout.num_engines=1", "rollout.registry_dir={root}/launch"]
 FLEET_PROBES = {
-    "rollout.engine": FleetProbe("vllm", observe_launch, LAUNCH, also=["sync.transport=inprocess"]),
+    # the in-process engine refuses the fleet's and the transfer's keys: the walk's go back to their defaults
+    "rollout.engine": FleetProbe("vllm", observe_launch, LAUNCH, also=[
+        "sync.transport=inprocess", "rollout.placement=colocated", "rollout.hosts=[]", "rollout.registry_dir=''",
+        "rollout.start_timeout_s=900.0", "rollout.control_timeout_s=30.0", "rollout.num_engines=1",
+        "sync.bucket_bytes=536870912", "sync.timeout_s=120.0"]),
     "rollout.dtype": FleetProbe("bfloat16", observe_launch, LAUNCH),
     "rollout.kv_cache_bytes": FleetProbe("33554432", observe_launch, LAUNCH),
     "rollout.gpu_memory_utilization": FleetProbe("0.3", observe_launch, [*LAUNCH, "rollout.kv_cache_bytes=0"]),

@@ -243,3 +243,38 @@ def test_stage_longer_than_a_real_models_positions(cfg_file):
         check_model_limits(cfg, 128, "m/config.json")
     assert e.value.key == "stages[1].max_response_len" and "'s1'" in str(e.value)
     assert "m/config.json" in str(e.value) and "128" in str(e.value)
+
+
+# --- keys that only act with another setting are refused without it ------------------------------
+NON_DEFAULT = {"rollout.placement": "dedicated", "rollout.engines_per_node": "2",
+               "rollout.server_urls": "[http://h:8000]", "rollout.hosts": "[h1]", "rollout.registry_dir": "/tmp/r",
+               "rollout.start_timeout_s": "5.0", "rollout.control_timeout_s": "5.0",
+               "rollout.max_inflight_seqs": "4", "rollout.hedge_after": "2.0",
+               "sync.bucket_bytes": "2048", "sync.timeout_s": "5.0", "sync.master_addr": "10.0.0.1",
+               "sync.retries": "3"}
+SERVERS = ["rollout.engine=vllm_server", "sync.transport=gloo"]
+
+
+def test_the_walk_of_server_only_keys_is_complete():
+    from megatron_rl.rollout.config import SERVER_ONLY
+    from megatron_rl.sync.config import TRANSFER_ONLY
+
+    assert sorted(NON_DEFAULT) == sorted([f"rollout.{k}" for k in SERVER_ONLY] + [f"sync.{k}" for k in TRANSFER_ONLY])
+
+
+@pytest.mark.parametrize("key", sorted(NON_DEFAULT))
+def test_a_server_key_with_the_in_process_engine_is_refused(cfg_file, key):
+    """The in-process engine (and its in-process weight hand-over) has no fleet, buckets, store or
+    retries: such a key would be accepted and do nothing. With servers it is taken."""
+    value = NON_DEFAULT[key]
+    extra = ["rollout.num_engines=1", "rollout.placement=external"] if key == "rollout.server_urls" else []
+    load_run_config(cfg_file, [*SERVERS, *extra, f"{key}={value}"])
+    err = _error(cfg_file, [f"{key}={value}"])
+    assert err.key == key and "ignores it" in str(err) and ("engine='vllm'" in str(err) or "inprocess" in str(err))
+
+
+def test_max_draw_factor_needs_dynamic_sampling(cfg_file):
+    load_run_config(cfg_file, ["rollout.async.dynamic_sampling=true", "rollout.async.max_draw_factor=2.0"])
+    load_run_config(cfg_file, ["rollout.async.max_draw_factor=3.0"])  # the default, stated
+    err = _error(cfg_file, ["rollout.async.max_draw_factor=2.0"])
+    assert err.key == "rollout.async.max_draw_factor" and "dynamic_sampling=true" in str(err)
