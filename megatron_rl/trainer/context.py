@@ -102,20 +102,22 @@ class Context:
 
 def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop: StopRequest) -> Context:
     """Policy on every rank; engines, rewards, data and tracker on the driver; the weight sync."""
+    from megatron_rl.models.hf_config import HFModelError, read_hf_config
+    from megatron_rl.trainer.schema import check_model_limits
+
+    # The model's own limits, before anything is built from it (or its libraries imported).
+    max_positions = read_hf_config(model_path).max_position_embeddings
+    check_model_limits(cfg, max_positions, str(Path(model_path) / "config.json"))
+
     from transformers import AutoTokenizer
 
-    from megatron_rl.models.hf_config import HFModelError, read_hf_config
     from megatron_rl.models.policy import MegatronPolicy
     from megatron_rl.rewards import RewardManager
     from megatron_rl.sync.base import build_weight_sync
     from megatron_rl.tracking import Tracker
     from megatron_rl.trainer.engines import build_engine, check_external_servers, expected_engines, start_colocated
-    from megatron_rl.trainer.schema import check_model_limits
 
     run = RunDir(cfg.trainer.run_dir)
-    # The model's own limits, before anything is built from it.
-    max_positions = read_hf_config(model_path).max_position_embeddings
-    check_model_limits(cfg, max_positions, str(Path(model_path) / "config.json"))
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as exc:  # no tokenizer files, or ones transformers cannot read
