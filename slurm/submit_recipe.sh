@@ -49,8 +49,16 @@ for ((i = ${FIRST_STAGE:-1}; i <= ${LAST_STAGE:-3}; i++)); do
   [ -f "$config" ] || { echo "megatron-rl: submit_recipe: no config $config" >&2; exit 2; }
   checks+=(--config "$config" --index "$i")
 done
-PYTHONPATH="$home${PYTHONPATH:+:$PYTHONPATH}" "$py" -m megatron_rl.tools.job_config "${checks[@]}" \
-  "${dedicated[@]}" "${user_overrides[@]}" >/dev/null || exit 2
+# Without a Python that has megatron-rl's dependencies here (set VENV) the jobs check their configs
+# themselves, each before its srun.
+check_rc=0
+check_err="$(PYTHONPATH="$home${PYTHONPATH:+:$PYTHONPATH}" "$py" -m megatron_rl.tools.job_config "${checks[@]}" \
+  "${dedicated[@]}" "${user_overrides[@]}" 2>&1 >/dev/null)" || check_rc=$?
+if [ "$check_rc" = 2 ]; then echo "$check_err" >&2; exit 2; fi
+if [ "$check_rc" != 0 ]; then
+  echo "[submit_recipe] configs not checked before sbatch ($py cannot run megatron_rl.tools.job_config:" \
+       "${check_err##*$'\n'}; set VENV); each job checks its own" >&2
+fi
 
 dep="${AFTER:-}"
 for ((i = ${FIRST_STAGE:-1}; i <= ${LAST_STAGE:-3}; i++)); do
