@@ -57,6 +57,9 @@ class SamplingSpec:
     # sampled with the same draws, and whichever engine serves prompt i samples the same responses.
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # Every response is at least this many tokens: end-of-sequence and stop tokens are not sampled
+    # before (vLLM's ``min_tokens``; ``max_tokens`` too: a response as long as the window it needs).
+    min_tokens: int = 0
 
     def prompt_seed(self, i: int) -> int | None:
         return None if self.seed is None else (self.seed + i) % (2**31 - 1)

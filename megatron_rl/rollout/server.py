@@ -67,6 +67,8 @@ def generate_body(prompt_ids: list[int], sampling: SamplingSpec, request_id: str
         params["seed"] = sampling.seed
     if sampling.stop_token_ids:
         params["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.min_tokens:
+        params["min_tokens"] = sampling.min_tokens
     body: dict[str, Any] = {"token_ids": list(prompt_ids), "sampling_params": params, "output_mode": "text"}
     if request_id is not None:
         body["request_id"] = request_id

@@ -102,6 +102,7 @@ class VLLMEngine(RolloutEngine):
             seed=sampling.prompt_seed(i),
             logprobs=0,
             stop_token_ids=list(sampling.stop_token_ids) or None,
+            min_tokens=sampling.min_tokens,
         ) for i in range(len(prompt_ids))]
         return [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params
 

@@ -600,7 +600,11 @@ def test_async_fleet_partial_rollouts_span_a_weight_update_and_match_each_versio
     weights load through the RL routes, /resume continues it. A response generated across the update
     carries tokens of both versions (vLLM's spans), and every token's log-prob equals a float64
     teacher-forced pass (transformers) with the weights of *its own* version over the whole sequence
-    (the frozen requests' KV is recomputed with the new weights)."""
+    (the frozen requests' KV is recomputed with the new weights). Every response is MAX_MODEL_LEN - 8
+    tokens long (min_tokens: no end-of-sequence before): this random model ends most of its samples
+    within 3-70 tokens, a few milliseconds each, so without it whether the pause caught a response
+    in flight was a matter of timing (measured: 0 to 18 of 24 spanned the update, whatever test ran
+    before)."""
     from megatron_rl.rollout.fleet_stream import FleetStream
 
     hf = fleet_env["hf"]
@@ -616,7 +620,7 @@ def test_async_fleet_partial_rollouts_span_a_weight_update_and_match_each_versio
     v0 = fleet_env["version"]
     states = {v0: {k: v.clone() for k, v in hf.state_dict().items()}}
     prompts, got = PROMPTS[:12], {}
-    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=MAX_MODEL_LEN - 8, seed=5)
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=MAX_MODEL_LEN - 8, min_tokens=MAX_MODEL_LEN - 8, seed=5)
     try:
         base = _server_counter(fleet, "vllm:generation_tokens_total")
         stream.submit(prompts, spec, list(range(12)), got.update)
@@ -626,6 +630,7 @@ def test_async_fleet_partial_rollouts_span_a_weight_update_and_match_each_versio
             time.sleep(0.005)
         stream.before_weight_update()
         assert all(e.is_paused() for e in fleet.engines)
+        assert len(got) < 12, "every response finished before the pause"
         _retrain(hf, seed=7)
         states[v0 + 1] = {k: v.clone() for k, v in hf.state_dict().items()}
         m = sync.sync(_named(hf), version=v0 + 1)
@@ -641,6 +646,7 @@ def test_async_fleet_partial_rollouts_span_a_weight_update_and_match_each_versio
         sync.close()
         fleet.close()
     completions = [(prompts[i], c) for i in range(12) for c in got[i]]
+    assert all(len(c.token_ids) == spec.max_tokens for _, c in completions)
     partial = [c for _, c in completions if c.partial]
     assert partial, "no response was generated across the weight update"
     for c in partial:
