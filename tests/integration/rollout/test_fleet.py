@@ -600,7 +600,8 @@ def test_async_fleet_partial_rollouts_span_a_weight_update_and_match_each_versio
     weights load through the RL routes, /resume continues it. A response generated across the update
     carries tokens of both versions (vLLM's spans), and every token's log-prob equals a float64
     teacher-forced pass (transformers) with the weights of *its own* version over the whole sequence
-    (the frozen requests' KV is recomputed with the new weights). Every response is MAX_MODEL_LEN - 8
+    (the frozen requests' KV is recomputed with the new weights; end-of-sequence masked out, as
+    vLLM's min_tokens does). Every response is MAX_MODEL_LEN - 8
     tokens long (min_tokens: no end-of-sequence before): this random model ends most of its samples
     within 3-70 tokens, a few milliseconds each, so without it whether the pause caught a response
     in flight was a matter of timing (measured: 0 to 18 of 24 spanned the update, whatever test ran
@@ -659,7 +660,7 @@ def test_async_fleet_partial_rollouts_span_a_weight_update_and_match_each_versio
             got_lp = torch.tensor(c.logprobs, dtype=torch.float64)
             for version in versions.unique().tolist():
                 hf.load_state_dict(states[version])
-                ref = hf_logprobs(hf, prompt, c.token_ids)
+                ref = hf_logprobs(hf, prompt, c.token_ids, min_tokens=spec.min_tokens)
                 sel = versions == version
                 assert torch.allclose(got_lp[sel], ref[sel], atol=2e-4, rtol=0), (version, (got_lp - ref)[sel])
     finally:
