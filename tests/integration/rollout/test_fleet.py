@@ -609,7 +609,8 @@ def test_async_fleet_partial_rollouts_span_a_weight_update_and_match_each_versio
     from megatron_rl.rollout.fleet_stream import FleetStream
 
     hf = fleet_env["hf"]
-    fleet = _fleet(fleet_env)
+    # (tail hedging off: a losing copy of a long response would run on after it lost, into the next tests)
+    fleet = _fleet(fleet_env, hedge_after=0.0)
     sync = _sync(fleet_env, fleet)
     stream = FleetStream(fleet)
     try:  # every server on the same version first (the tests above synced some of them only)
