@@ -123,6 +123,8 @@ class EngineFleet(RolloutEngine):
         self._waiting = 0                    # requests waiting for room
         self._hedge_timer: asyncio.TimerHandle | None = None
         self._paused = False  # between pause() and resume()
+        self._pause_mode: PauseMode = "keep"
+        self._let_run: set[str] = set()  # engines resume_paused() let run while the fleet is paused
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-loop", daemon=True)
         self._thread.start()
@@ -521,13 +523,32 @@ class EngineFleet(RolloutEngine):
         self._each_live(lambda e: e.reset_prefix_cache())
 
     def pause(self, mode: PauseMode = "keep") -> None:
-        self._paused = True
+        self._paused, self._pause_mode = True, mode
+        self._let_run.clear()
         self._each_live(lambda e: e.pause(mode))
+
+    def hold(self) -> None:
+        """Before each weight-sync round while the fleet is paused: the engines :meth:`resume_paused`
+        let run for an earlier round's probe (partial rollouts: their frozen requests went on) pause
+        again, so that none is generating when the round's /start_weight_update takes its weights
+        apart (vLLM's layerwise reload leaves them on the meta device until the finish: a forward
+        pass in between kills the engine core, "onednn_mm ... Meta tensors"). sync_weights' retry
+        after an incomplete round is such a round."""
+        if not self._paused:
+            return
+        for engine in self.sync_targets():
+            if engine.name in self._let_run:
+                self._let_run.discard(engine.name)
+                try:
+                    engine.pause(self._pause_mode)
+                except EngineError as exc:
+                    self.mark_down(engine, str(exc))
 
     def resume(self) -> None:
         """Every engine that is not down, those rejoining too: one that failed a sync while paused
         must not stay paused once it is admitted again."""
         self._paused = False
+        self._let_run.clear()
         for engine in self.sync_targets():
             try:
                 engine.resume()
@@ -544,6 +565,7 @@ class EngineFleet(RolloutEngine):
         EngineError."""
         if self._paused:
             self._run(self._unverify(self._slot(engine)))
+            self._let_run.add(engine.name)
             engine.resume()
 
     def sleep(self) -> None:

@@ -100,10 +100,24 @@ def _raise_for_status(resp: httpx.Response, where: str) -> None:
         raise kind(f"{where} HTTP {resp.status_code}: {resp.text[:500]}")
 
 
+# How long an idle kept-alive connection is reused: under the server's own idle close (uvicorn's
+# keep-alive timeout, VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default). At httpx's default (also 5 s) a
+# request could go out on a connection the server was closing that instant and come back as
+# "Server disconnected without sending a response": seen in CI as a spurious failed sync of a
+# healthy server.
+KEEPALIVE_S = 2.0
+# Idempotent control calls (GET) are sent once more when a kept-alive connection was closed under
+# them before any answer (the request never reached the server's handler).
+_RESEND_ON = (httpx.RemoteProtocolError,)
+
 GENERATE = "/inference/v1/generate"  # needs the server's --enable-scale-out
 # The generate route names a request "generate-tokens-<request_id of the body>" inside vLLM
 # (vllm/entrypoints/scale_out/token_in_token_out/serving.py); /abort_requests takes that name.
 GENERATE_ID_PREFIX = "generate-tokens-"
+
+
+def _control_client(url: str, timeout_s: float) -> httpx.Client:
+    return httpx.Client(base_url=url, timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
 
 
 class VLLMServer(RolloutEngine):
@@ -121,7 +135,7 @@ class VLLMServer(RolloutEngine):
         # Ranks this engine takes in a weight-transfer group: one per vLLM worker (TP x PP).
         self.workers = workers or cfg.tensor_parallel_size
         self.weight_version = 0
-        self._http = httpx.Client(base_url=self.url, timeout=cfg.control_timeout_s)
+        self._http = _control_client(self.url, cfg.control_timeout_s)
         self._async: httpx.AsyncClient | None = None
         self._async_loop: asyncio.AbstractEventLoop | None = None
 
@@ -131,7 +145,7 @@ class VLLMServer(RolloutEngine):
         if url != self.url:
             self._http.close()
             self.url = url
-            self._http = httpx.Client(base_url=self.url, timeout=self.cfg.control_timeout_s)
+            self._http = _control_client(self.url, self.cfg.control_timeout_s)
             self._async, self._async_loop = None, None  # the old one is dropped with its loop
 
     def __repr__(self) -> str:
@@ -140,7 +154,12 @@ class VLLMServer(RolloutEngine):
     # ------------------------------------------------------------------------------ control plane
     def _call(self, method: str, path: str, *, timeout: float | None = None, **kwargs) -> httpx.Response:
         try:
-            resp = self._http.request(method, path, timeout=timeout or self.cfg.control_timeout_s, **kwargs)
+            try:
+                resp = self._http.request(method, path, timeout=timeout or self.cfg.control_timeout_s, **kwargs)
+            except _RESEND_ON:
+                if method != "GET":
+                    raise
+                resp = self._http.request(method, path, timeout=timeout or self.cfg.control_timeout_s, **kwargs)
         except httpx.TimeoutException as exc:
             raise EngineTimeout(f"engine {self.name} ({self.url}): no answer to {method} {path} within "
                                 f"{timeout or self.cfg.control_timeout_s:.1f}s") from exc
@@ -270,7 +289,7 @@ class VLLMServer(RolloutEngine):
     def _client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
         if self._async is None or self._async_loop is not loop:
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S)
             self._async = httpx.AsyncClient(base_url=self.url, limits=limits, timeout=httpx.Timeout(
                 self.cfg.timeout_s, connect=self.cfg.control_timeout_s))
             self._async_loop = loop

@@ -256,6 +256,7 @@ class ServerWeightSync(WeightSync):
             self._engine.send_weights()
             return SyncMetrics(version=version)
         t0 = time.perf_counter()
+        self.fleet.hold()  # nothing may generate while a round's start takes the weights apart
         started, rejoining = self._check_and_start()
         phases = {"start": time.perf_counter() - t0}
         members = self.fleet.sync_targets()
