@@ -46,7 +46,10 @@ def test_pathological_expression_times_out_and_pool_keeps_serving(mgr):
     assert scores == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
     assert details[1]["status"] == "timeout"
     assert metrics["reward/timeouts"] == 1.0 and metrics["reward/worker_restarts"] == 1.0
-    assert elapsed < 4.0 + 30.0  # bounded by the hard timeout (+ slack for a loaded machine)
+    # ended by the hard timeout (4 s), not by math-verify's own (60 s) or never: under the latter; the
+    # rest of the time is the killed worker's replacement starting (a fresh interpreter and sympy),
+    # which a loaded box stretches well past the 30 s this once allowed
+    assert elapsed < 60.0, elapsed
     # the pool is whole again: a second batch is served by both workers without timeouts
     scores, metrics = mgr.score(good)
     assert scores == [1.0] * 6 and metrics["reward/timeouts"] == 0.0
