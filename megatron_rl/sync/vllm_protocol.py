@@ -261,7 +261,8 @@ class ServerWeightSync(WeightSync):
         phases = {"start": time.perf_counter() - t0}
         members = self.fleet.sync_targets()
         if started and (rejoining or [e.name for e in members] != self._members):
-            started = self._undo_start()  # an engine joins (or left): the round starts afresh
+            self._undo_start()  # an engine joins (or left): the round starts afresh
+            started = False
         if not members:
             drain(named_tensors, version)
             raise SyncError(f"weight sync v{version}: no engine to load it; engines: {self.fleet.states()}")
@@ -298,7 +299,7 @@ class ServerWeightSync(WeightSync):
         def settle(engine) -> None:  # per engine, all engines at once (each is a few HTTP calls)
             if engine.name not in failures:
                 try:
-                    gap = self._commit(engine, version)
+                    gap = self._commit(engine, version, pool)
                     if gap is not None:
                         probed.append(gap)
                 except (SyncError, EngineError) as exc:
@@ -309,7 +310,8 @@ class ServerWeightSync(WeightSync):
                 self._fail(engine, failures[engine.name])
 
         t1 = time.perf_counter()
-        with cf.ThreadPoolExecutor(max_workers=len(members), thread_name_prefix="wt-commit") as pool:
+        # two workers per engine: its commit, and its prefix-cache reset beside the checks
+        with cf.ThreadPoolExecutor(max_workers=2 * len(members), thread_name_prefix="wt-commit") as pool:
             list(pool.map(settle, members))
         phases["commit"] = time.perf_counter() - t1
         for gap in probed:
@@ -359,14 +361,13 @@ class ServerWeightSync(WeightSync):
         self._teardown()  # re-formed around the engines left
         return False, rejoining
 
-    def _undo_start(self) -> bool:
+    def _undo_start(self) -> None:
         try:
             self._client.undo_start()
         except SyncError as exc:  # such an engine fails its next start, then this sync
             log.warning("weight sync: closing the start sent ahead failed: %s", exc)
-        return False
 
-    def _commit(self, engine, version: int) -> dict | None:
+    def _commit(self, engine, version: int, aside: cf.Executor) -> dict | None:
         """After the finish route loaded and tagged ``version`` (vLLM's finish takes the version):
         reset the engine's prefix cache while its checks run (each :attr:`checks`, the reported
         version first), score the probe (what it computes with the new weights), then admit it.
@@ -377,19 +378,15 @@ class ServerWeightSync(WeightSync):
         continue then, with the new weights (the reset dropped their KV, so it is recomputed), under
         the new version's label, and the fleet holds what they return until :meth:`admit` (or
         re-sends them if the probe fails)."""
-        pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="wt-reset")
+        # cached blocks (running requests' too) hold the old weights' KV; ``aside`` has a worker free
+        resetting = aside.submit(engine.reset_prefix_cache)
+        for check in self.checks:
+            check(engine, version)
         try:
-            # cached blocks (running requests' too) hold the old weights' KV
-            resetting = pool.submit(engine.reset_prefix_cache)
-            for check in self.checks:
-                check(engine, version)
-            try:
-                resetting.result(timeout=self.config.timeout_s)  # (the call has its own timeout)
-            except cf.TimeoutError:
-                raise SyncTimeout(f"engine {engine.name}: /reset_prefix_cache did not answer within "
-                                  f"{self.config.timeout_s:g}s") from None
-        finally:
-            pool.shutdown(wait=False)
+            resetting.result(timeout=self.config.timeout_s)  # (the call has its own timeout)
+        except cf.TimeoutError:
+            raise SyncTimeout(f"engine {engine.name}: /reset_prefix_cache did not answer within "
+                              f"{self.config.timeout_s:g}s") from None
         engine.weight_version = version  # verified
         self.fleet.resume_paused(engine)
         gap = probe.check(engine, self.probe) if (self.config.verify and self.probe is not None) else None

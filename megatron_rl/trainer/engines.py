@@ -52,12 +52,6 @@ def registry_dir(cfg: RunConfig) -> Path:
     return Path(cfg.rollout.registry_dir or Path(cfg.trainer.run_dir) / "engines")
 
 
-def max_model_len(cfg: RunConfig) -> int:
-    """The longest sequence any stage or evaluation samples: the engines' max model length
-    (the servers' ``--max-model-len``)."""
-    return max_sequence_len(cfg)
-
-
 def check_external_servers(cfg: RunConfig, timeout: float = 5.0) -> None:
     """placement external: the servers that already answer must hold the run's longest prompt +
     response, checked before anything is built (one not up yet is checked when the fleet connects)."""
@@ -67,7 +61,7 @@ def check_external_servers(cfg: RunConfig, timeout: float = 5.0) -> None:
     r = cfg.rollout
     if r.engine != "vllm_server" or r.placement != "external":
         return
-    need = max_model_len(cfg)
+    need = max_sequence_len(cfg)
     for i, url in enumerate(r.server_urls):
         server = VLLMServer(url, r, name=f"engine{i}")
         try:
@@ -87,7 +81,7 @@ def node_launcher(cfg: RunConfig, model_path: str, *, node: str | None = None, h
         gpus_per_engine = cfg.rollout.tensor_parallel_size if _has_gpus() else 0
     specs = node_specs(node=node or node_name(), host=host or node_host(),
                        count=count or cfg.rollout.engines_per_node, model=model_path, rollout=cfg.rollout,
-                       max_model_len=max_model_len(cfg), seed=cfg.trainer.seed, extra_args=args, env=env,
+                       max_model_len=max_sequence_len(cfg), seed=cfg.trainer.seed, extra_args=args, env=env,
                        log_dir=str(registry_dir(cfg) / "logs"), gpus_per_engine=gpus_per_engine)
     return EngineLauncher(specs, registry=EngineRegistry(registry_dir(cfg)),
                           start_timeout_s=cfg.rollout.start_timeout_s)
@@ -148,7 +142,7 @@ def build_engine(cfg: RunConfig, model_path: str, names: list[str] | None) -> Ro
                              f"({names}): set it to nodes x rollout.engines_per_node, or 0")
         if names is not None:
             r = dataclasses.replace(r, num_engines=len(names))
-    return make_engine(model_path, r, seed=cfg.trainer.seed, max_model_len=max_model_len(cfg),
+    return make_engine(model_path, r, seed=cfg.trainer.seed, max_model_len=max_sequence_len(cfg),
                        registry_dir=str(registry_dir(cfg)), names=names)
 
 

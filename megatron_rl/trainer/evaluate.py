@@ -46,11 +46,11 @@ def probe_reference(ctx: Context):
     weights about to be sent; the sync compares every engine's with them. Collective."""
     from megatron_rl.models.batch import SequenceBatch
     from megatron_rl.sync import probe
-    from megatron_rl.trainer.engines import max_model_len
+    from megatron_rl.trainer.schema import max_sequence_len
 
     cfg = ctx.cfg
     tokens = probe.probe_tokens(min(len(ctx.tokenizer), ctx.policy.arch.vocab_size),
-                                probe.probe_length(max_model_len(cfg)))
+                                probe.probe_length(max_sequence_len(cfg)))
     (mine,), _ = ctx.policy.compute_logprobs(SequenceBatch(sequences=[tokens], prompt_lens=[1]), 1.0,
                                              with_entropy=False)
     tolerance = cfg.sync.probe_tolerance or probe.default_tolerance(cfg.rollout.dtype)

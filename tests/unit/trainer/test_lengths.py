@@ -15,7 +15,8 @@ import yaml
 
 from megatron_rl.config import ConfigError
 from megatron_rl.data import DataError
-from megatron_rl.trainer.engines import check_external_servers, max_model_len
+from megatron_rl.trainer.engines import check_external_servers
+from megatron_rl.trainer.schema import max_sequence_len
 from megatron_rl.trainer.schema import check_model_limits, load_run_config
 
 MIN = {"model": {"tiny": {}}, "data": {"train_path": "x.jsonl"}, "rollout": {"max_prompt_len": 16},
@@ -48,9 +49,9 @@ def test_eval_max_tokens_longer_than_a_real_models_positions(cfg_file):
 
 
 def test_the_engines_are_sized_for_the_evaluation_too(cfg_file):
-    assert max_model_len(load_run_config(cfg_file)) == 16 + 12  # the longest stage
-    assert max_model_len(load_run_config(cfg_file, ["rollout.eval_max_tokens=10"])) == 16 + 12
-    assert max_model_len(load_run_config(cfg_file, ["rollout.eval_max_tokens=30"])) == 16 + 30
+    assert max_sequence_len(load_run_config(cfg_file)) == 16 + 12  # the longest stage
+    assert max_sequence_len(load_run_config(cfg_file, ["rollout.eval_max_tokens=10"])) == 16 + 12
+    assert max_sequence_len(load_run_config(cfg_file, ["rollout.eval_max_tokens=30"])) == 16 + 30
 
 
 def test_a_data_prompt_limit_above_the_engines_is_refused(cfg_file):
