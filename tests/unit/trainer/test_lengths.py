@@ -16,8 +16,7 @@ import yaml
 from megatron_rl.config import ConfigError
 from megatron_rl.data import DataError
 from megatron_rl.trainer.engines import check_external_servers
-from megatron_rl.trainer.schema import max_sequence_len
-from megatron_rl.trainer.schema import check_model_limits, load_run_config
+from megatron_rl.trainer.schema import check_model_limits, load_run_config, max_sequence_len
 
 MIN = {"model": {"tiny": {}}, "data": {"train_path": "x.jsonl"}, "rollout": {"max_prompt_len": 16},
        "stages": [{"name": "s1", "max_response_len": 8, "max_steps": 1},
