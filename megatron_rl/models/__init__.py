@@ -10,17 +10,14 @@
 * ``policy.py``: :class:`MegatronPolicy` (log-probs, train step through the pipeline schedule, export).
 """
 
-from megatron_rl.models.batch import MicroBatch, SequenceBatch
-from megatron_rl.models.config import OptimConfig, ParallelConfig, PolicyConfig, RecomputeConfig
-from megatron_rl.models.parallel import ParallelGroups, destroy_distributed, init_distributed
+from megatron_rl.common.lazy import lazy_exports
 
-__all__ = ["MicroBatch", "OptimConfig", "ParallelConfig", "ParallelGroups", "PolicyConfig",
-           "RecomputeConfig", "SequenceBatch", "destroy_distributed", "init_distributed"]
-
-
-def __getattr__(name):  # MegatronPolicy imports megatron lazily: keep `import megatron_rl.models` light
-    if name == "MegatronPolicy":
-        from megatron_rl.models.policy import MegatronPolicy
-
-        return MegatronPolicy
-    raise AttributeError(name)
+# imported at first use (common.lazy): the run schema reads models.config without torch or megatron
+_EXPORTS = {
+    "MicroBatch": "batch", "SequenceBatch": "batch",
+    "OptimConfig": "config", "ParallelConfig": "config", "PolicyConfig": "config", "RecomputeConfig": "config",
+    "ParallelGroups": "parallel", "destroy_distributed": "parallel", "init_distributed": "parallel",
+    "MegatronPolicy": "policy",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

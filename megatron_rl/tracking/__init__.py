@@ -1,6 +1,10 @@
-"""What a run records: metrics.jsonl, W&B (offline by default), console progress, rollout dumps, log routing."""
+"""What a run records: metrics.jsonl, W&B (offline by default), console progress, rollout dumps, log routing.
 
-from megatron_rl.tracking.config import TrackingConfig
-from megatron_rl.tracking.tracker import Tracker
+``Tracker`` is imported at first use (``common.lazy``): the run schema reads ``tracking.config``
+without importing pyarrow or wandb."""
 
-__all__ = ["TrackingConfig", "Tracker"]
+from megatron_rl.common.lazy import lazy_exports
+
+_EXPORTS = {"TrackingConfig": "config", "Tracker": "tracker"}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -4,8 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_rl.config.base import ConfigBase
-from megatron_rl.tracking.rollouts import RolloutDumpConfig
+from megatron_rl.config.base import ConfigBase, ranged
+
+
+@dataclass(kw_only=True)
+class RolloutDumpConfig(ConfigBase):
+    # Write every GRPO step's samples to RUN_DIR/rollouts/step_<global step>.parquet.
+    enabled: bool = True
+    # Share of the prompts whose groups are dumped, picked by a hash of the prompt id (the same
+    # prompts every step, so their pass-rate trajectories are whole).
+    sample_rate: float = ranged(1.0, gt=0.0, le=1.0)
+    # Stop dumping once RUN_DIR/rollouts/ holds this many GiB (0: no cap).
+    max_gb: float = ranged(20.0, ge=0.0)
+    # Dump prompt and response token ids (the largest columns; the texts are always dumped).
+    token_ids: bool = True
+    # Samples per step also logged to W&B as a table (0: none).
+    wandb_samples: int = ranged(4, ge=0)
 
 
 @dataclass(kw_only=True)

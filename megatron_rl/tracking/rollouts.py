@@ -14,13 +14,12 @@ import hashlib
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from megatron_rl.config.base import ConfigBase, ranged
+from megatron_rl.tracking.config import RolloutDumpConfig  # noqa: F401  (the dumper's config, declared with the rest)
 
 log = logging.getLogger("megatron_rl")
 
@@ -65,21 +64,6 @@ SCHEMA = pa.schema([(name, tp) for name, (tp, _) in COLUMNS.items()])
 # What the W&B table shows of a sample.
 TABLE_COLUMNS = ["grpo_step", "stage", "prompt_uid", "prompt", "response", "ground_truth", "answer",
                  "reward", "advantage", "response_len", "truncated", "token_prob_mean", "entropy_mean"]
-
-
-@dataclass(kw_only=True)
-class RolloutDumpConfig(ConfigBase):
-    # Write every GRPO step's samples to RUN_DIR/rollouts/step_<global step>.parquet.
-    enabled: bool = True
-    # Share of the prompts whose groups are dumped, picked by a hash of the prompt id (the same
-    # prompts every step, so their pass-rate trajectories are whole).
-    sample_rate: float = ranged(1.0, gt=0.0, le=1.0)
-    # Stop dumping once RUN_DIR/rollouts/ holds this many GiB (0: no cap).
-    max_gb: float = ranged(20.0, ge=0.0)
-    # Dump prompt and response token ids (the largest columns; the texts are always dumped).
-    token_ids: bool = True
-    # Samples per step also logged to W&B as a table (0: none).
-    wandb_samples: int = ranged(4, ge=0)
 
 
 def keep_prompt(uid: str, sample_rate: float) -> bool:
