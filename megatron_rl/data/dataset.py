@@ -15,12 +15,15 @@ counted with ``on_bad_row: skip``.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from megatron_rl.common.errors import InputError
 from megatron_rl.data.config import DataConfig
+
+log = logging.getLogger("megatron_rl")
 
 _MISSING = object()
 
@@ -190,9 +193,11 @@ def load_prompts(path: str | Path, tokenizer, cfg: DataConfig | None = None,
     """Read, template, tokenize and filter a prompt dataset.
 
     ``max_prompt_len`` overrides ``cfg.max_prompt_len`` (0 = no limit). Returns the records and
-    counts: rows, loaded, too_long, bad_rows (skipped), filtered_* (difficulty filter),
-    prompt_len_max / prompt_len_mean of the loaded prompts. A file that leaves no prompt (empty,
-    every prompt too long, every row skipped or filtered) is a :class:`DataError` saying why.
+    counts: rows, loaded, dropped (= rows - loaded: too_long + bad_rows + filtered_*), too_long,
+    bad_rows (skipped), filtered_* (difficulty filter), prompt_len_max / prompt_len_mean of the
+    loaded prompts. Any drop is a warning naming the file and the counts by reason; a file that
+    leaves no prompt (empty, every prompt too long, every row skipped or filtered) is a
+    :class:`DataError` saying why.
     """
     cfg = cfg or DataConfig()
     cfg.validate()
@@ -250,18 +255,22 @@ def load_prompts(path: str | Path, tokenizer, cfg: DataConfig | None = None,
         else:
             kept.append(rec)
     stats["loaded"] = len(kept)
+    stats["dropped"] = stats["rows"] - len(kept)
     if not kept:
-        raise DataError(f"{path}: no usable prompt: {_why_empty(stats, limit)}")
+        raise DataError(f"{path}: no usable prompt: {_why_dropped(stats, limit)}")
+    if stats["dropped"]:  # every drop is counted (the stats) and said, whichever file it is
+        log.warning("%s: %d of %d rows dropped: %s", path, stats["dropped"], stats["rows"],
+                    _why_dropped(stats, limit, read=False))
     lens = [len(r.prompt_ids) for r in kept]
     stats["prompt_len_max"] = max(lens, default=0)
     stats["prompt_len_mean"] = sum(lens) / len(lens) if lens else 0.0
     return kept, stats
 
 
-def _why_empty(stats: dict, limit: int) -> str:
+def _why_dropped(stats: dict, limit: int, read: bool = True) -> str:
     if not stats["rows"]:
         return "the file holds no rows"
-    parts = [f"{stats['rows']} rows read"]
+    parts = [f"{stats['rows']} rows read"] if read else []
     if stats["too_long"]:
         parts.append(f"{stats['too_long']} longer than the {limit}-token prompt limit "
                      f"(rollout.max_prompt_len / data.max_prompt_len)")

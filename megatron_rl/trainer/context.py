@@ -190,7 +190,12 @@ def load_run_data(cfg: RunConfig, tokenizer, max_positions: int | None = None
     if cfg.eval.path:
         eval_cfg = DataConfig.from_dict({**cfg.data.to_dict(), "keep_labels": [], "pass_rate_min": 0.0,
                                          "pass_rate_max": 1.0})
-        held_out, _ = load_prompts(cfg.eval.path, tokenizer, eval_cfg, max_prompt_len=max_len)
+        held_out, stats = load_prompts(cfg.eval.path, tokenizer, eval_cfg, max_prompt_len=max_len)
+        log.info("held-out data: %s", stats)
+        if cfg.eval.size and len(held_out) < cfg.eval.size:
+            log.warning("%s: eval.size=%d, but %d held-out prompts are usable (%d of %d rows dropped): "
+                        "the evaluation scores %d", cfg.eval.path, cfg.eval.size, len(held_out),
+                        stats["dropped"], stats["rows"], len(held_out))
         if cfg.eval.size:
             held_out = held_out[: cfg.eval.size]
     return train, sft, held_out
