@@ -13,6 +13,7 @@ with SIGKILL mid-generation (its process group, as a lost node), a server stoppe
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pickle
 import select
@@ -224,7 +225,9 @@ def test_fleet_samples_exactly_what_one_server_samples(fleet_env):
     # (a fresh server's first requests are slow: hedged copies could answer them all)
     fleet = _fleet(fleet_env, max_inflight_seqs=8, hedge_after=0.0)
     try:
+        t0 = time.monotonic()
         got = fleet.generate(PROMPTS, SAMPLE)
+        fleet_s = time.monotonic() - t0  # this step at this moment's load (the hedged one's baseline)
         metrics = fleet.pop_metrics()
     finally:
         fleet.close()
@@ -237,8 +240,10 @@ def test_fleet_samples_exactly_what_one_server_samples(fleet_env):
     assert metrics["rollout/requeued_requests"] == 0 and metrics["rollout/engines_up"] == 3
     assert len({tuple(map(tuple, g)) for g in _tokens(want)}) > 1  # prompts are not sampled alike
     # tail hedging: a paused server (a straggler that uses no CPU) holds its first requests; once
-    # nothing waits for room, copies go to the other two, with the same seeds: the same samples
-    fleet = _fleet(fleet_env, max_inflight_seqs=8, hedge_after=1.5)
+    # nothing waits for room, copies go to the other two, with the same seeds: the same samples.
+    # (The straggler's copies must not time out first: the hedged step takes the step above plus
+    # 1.5x a request's time and the copies' own; on a loaded box that ran past a fixed 60 s once.)
+    fleet = _fleet(fleet_env, max_inflight_seqs=8, hedge_after=1.5, timeout_s=max(60.0, 10 * fleet_s))
     straggler = fleet.engines[2]
     try:
         straggler.pause("keep")
@@ -372,17 +377,34 @@ def test_fleet_sync_names_a_bucket_corrupted_in_flight_then_recovers(fleet_env, 
         fleet.close()
 
 
+def _timing_down(fleet, state) -> None:
+    """Record in ``state["t_down"]`` when the fleet marks an engine down (the detection itself, not
+    the end of the step that re-sends its requests, which a loaded box stretches)."""
+    real = fleet.mark_down
+
+    def mark_down(engine, reason):
+        state.setdefault("t_down", time.monotonic())
+        return real(engine, reason)
+
+    fleet.mark_down = mark_down
+
+
 def test_fleet_detects_a_stopped_server_within_the_timeout_and_completes(fleet_env):
     servers = fleet_env["servers"]
-    timeout_s = 6.0
     one = _one_server(fleet_env)
+    t0 = time.monotonic()
     want = one.generate(PROMPTS, SAMPLE)
+    one_s = time.monotonic() - t0
     one.close()
+    # the timeout is a few times this step's time on one server now (6 s on a quiet box): hedged
+    # copies (the second part) must win before it fires, whatever the machine's load
+    timeout_s = float(max(6, math.ceil(4 * one_s)))
     # tail hedging off: it would finish the stopped server's requests elsewhere before the timeout
     # (the step completes either way; this test is about the detection)
     fleet = _survivors(fleet_env, timeout_s=timeout_s, max_inflight_seqs=8, hedge_after=0.0)
     victim = fleet.engines[1]
     real_submit, state = victim.submit, {"calls": 0, "t_stop": None}
+    _timing_down(fleet, state)
 
     async def submit(prompt_ids, sampling):
         state["calls"] += 1
@@ -394,11 +416,12 @@ def test_fleet_detects_a_stopped_server_within_the_timeout_and_completes(fleet_e
     victim.submit = submit
     try:
         got = fleet.generate(PROMPTS, SAMPLE)
-        detected = time.monotonic() - state["t_stop"]
         metrics = fleet.pop_metrics()
         assert _tokens(got) == _tokens(want)
-        assert fleet.state(victim) is EngineState.DOWN and "rollout.timeout_s=6" in fleet._slot(victim).reason
-        assert detected < timeout_s + 5, detected
+        assert fleet.state(victim) is EngineState.DOWN
+        assert f"rollout.timeout_s={timeout_s:g}" in fleet._slot(victim).reason, fleet._slot(victim).reason
+        detected = state["t_down"] - state["t_stop"]
+        assert detected < timeout_s + 5, (detected, timeout_s)
         assert metrics["rollout/requeued_requests"] >= 1
     finally:
         servers.signal(2, signal.SIGCONT)
@@ -425,7 +448,7 @@ def test_fleet_detects_a_stopped_server_within_the_timeout_and_completes(fleet_e
         while fleet.state(victim) is not EngineState.DOWN:
             assert time.monotonic() - state["t_stop"] < timeout_s + 5, "hedging hid the stopped server"
             time.sleep(0.05)
-        assert "rollout.timeout_s=6" in fleet._slot(victim).reason, fleet._slot(victim).reason
+        assert f"rollout.timeout_s={timeout_s:g}" in fleet._slot(victim).reason, fleet._slot(victim).reason
     finally:
         servers.signal(2, signal.SIGCONT)
         fleet.close()
@@ -787,7 +810,7 @@ def test_async_fleet_holds_what_a_server_returns_before_its_probe_passed(fleet_e
             paused.score(probe_tokens(hf.config.vocab_size, 16))
         victim.submit, victim.score = submit, stale_score
         stream.submit(prompts, spec, list(range(12)), got.update)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # (a hang guard: the sync and 184-token responses, at any load)
         while any(slot is None for _, slot in list(fleet._requests.values())) or len(fleet._requests) < 12:
             assert time.monotonic() < deadline, "the requests were not all sent"
             time.sleep(0.005)
@@ -1252,16 +1275,26 @@ def observe_dispatch(cfg, env):
 
 def observe_hedging(cfg, env):
     """Generation on two engines, one of them a straggler (paused: it answers after HANG_S
-    seconds): which engines answered, and whether requests were hedged."""
+    seconds, or four times as long as the other takes for the same prompts now, if that is longer:
+    on a loaded box hedged copies, due 1.5x a request's time after it was sent, must still come
+    before the straggler answers): which engines answered, and whether requests were hedged."""
     fleet = _walk_fleet(cfg, env)
     if len({e.weight_version for e in fleet.engines}) > 1:  # hedging pairs engines of one version
         _recover(env, fleet)
+    spec = SamplingSpec(n=4, max_tokens=8, seed=3)
+    other = VLLMServer(fleet.engines[0].url, cfg.rollout, name=fleet.engines[0].name)  # (not through the fleet)
+    try:
+        t0 = time.monotonic()
+        other.generate(PROMPTS[:4], spec)
+        hold = max(HANG_S, 4 * (time.monotonic() - t0))
+    finally:
+        other.close()
     straggler = fleet.engines[-1]
     straggler.pause("keep")
-    timer = threading.Timer(HANG_S, straggler.resume)
+    timer = threading.Timer(hold, straggler.resume)
     timer.start()
     try:
-        groups = fleet.generate(PROMPTS[:4], SamplingSpec(n=4, max_tokens=8, seed=3))
+        groups = fleet.generate(PROMPTS[:4], spec)
         m = fleet.pop_metrics()
         return _tokens(groups), sorted({c.engine for g in groups for c in g}), m["rollout/hedged_requests"] > 0
     finally:
