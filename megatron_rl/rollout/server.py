@@ -153,13 +153,16 @@ class VLLMServer(RolloutEngine):
 
     # ------------------------------------------------------------------------------ control plane
     def _call(self, method: str, path: str, *, timeout: float | None = None, **kwargs) -> httpx.Response:
+        def send() -> httpx.Response:
+            return self._http.request(method, path, timeout=timeout or self.cfg.control_timeout_s, **kwargs)
+
         try:
             try:
-                resp = self._http.request(method, path, timeout=timeout or self.cfg.control_timeout_s, **kwargs)
+                resp = send()
             except _RESEND_ON:
                 if method != "GET":
                     raise
-                resp = self._http.request(method, path, timeout=timeout or self.cfg.control_timeout_s, **kwargs)
+                resp = send()
         except httpx.TimeoutException as exc:
             raise EngineTimeout(f"engine {self.name} ({self.url}): no answer to {method} {path} within "
                                 f"{timeout or self.cfg.control_timeout_s:.1f}s") from exc
