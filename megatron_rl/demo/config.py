@@ -7,13 +7,18 @@ from dataclasses import dataclass
 
 from megatron_rl.config.base import ConfigBase, ranged
 
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
+ARCHS = ("llama", "qwen2", "qwen3", *MOE_ARCHS)
+
 
 @dataclass(kw_only=True)
 class TinySpec(ConfigBase):
     """A tiny random model built locally (config section ``model.tiny``). Defaults: ≈0.86M
     parameters, the CPU demo's model."""
 
-    # Architecture of the written HF checkpoint: llama (character tokenizer), qwen2 or qwen3 (byte BPE).
+    # Architecture of the written HF checkpoint: llama (character tokenizer), qwen2 or qwen3 (byte BPE),
+    # or a Mixture-of-Experts model: qwen3_moe, qwen2_moe (a gated shared expert beside the routed
+    # ones) (byte BPE).
     arch: str = "llama"
     # Width of the residual stream.
     hidden_size: int = ranged(128, ge=1)
@@ -33,11 +38,26 @@ class TinySpec(ConfigBase):
     vocab_multiple: int = ranged(8, ge=1)
     # Seed of the random weights; null: the run's trainer.seed.
     seed: int | None = ranged(None, ge=0)
+    # Mixture-of-Experts archs only (qwen3_moe, qwen2_moe): routed experts per MoE layer.
+    num_experts: int = ranged(8, ge=1)
+    # Experts each token is routed to (top-k).
+    num_experts_per_tok: int = ranged(2, ge=1)
+    # Width of each routed expert's SwiGLU MLP.
+    moe_intermediate_size: int = ranged(64, ge=1)
+    # qwen2_moe only: width of the gated shared expert's SwiGLU MLP.
+    shared_expert_intermediate_size: int = ranged(128, ge=1)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.arch in MOE_ARCHS
 
     def validate(self) -> None:
         super().validate()
-        if self.arch not in ("llama", "qwen2", "qwen3"):
-            self.fail("arch", f"must be llama, qwen2 or qwen3, got {self.arch!r}")
+        if self.arch not in ARCHS:
+            self.fail("arch", f"must be one of {list(ARCHS)}, got {self.arch!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            self.fail("num_experts_per_tok", f"must be <= num_experts={self.num_experts}, got "
+                      f"{self.num_experts_per_tok}")
         if self.hidden_size % self.num_heads:
             self.fail("num_heads", f"must divide hidden_size={self.hidden_size}, got {self.num_heads}")
         if self.num_heads % self.num_kv_heads:

@@ -62,7 +62,7 @@ def build_bpe_tokenizer(alphabet: list[str] = ALPHABET):
 
 
 def _hf_config(spec: TinySpec, vocab_size: int, tokenizer):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -87,7 +87,18 @@ def _hf_config(spec: TinySpec, vocab_size: int, tokenizer):
     if spec.arch == "qwen3":
         return Qwen3Config(**common, head_dim=spec.hidden_size // spec.num_heads, attention_bias=False,
                            use_sliding_window=False)
-    raise ValueError(f"TinySpec.arch must be one of llama, qwen2, qwen3; got {spec.arch!r}")
+    moe = dict(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+               moe_intermediate_size=spec.moe_intermediate_size, norm_topk_prob=True,
+               decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False)
+    if spec.arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, **moe, head_dim=spec.hidden_size // spec.num_heads,
+                              attention_bias=False, use_sliding_window=False)
+    if spec.arch == "qwen2_moe":
+        # Qwen2-MoE's released checkpoints do not normalise the top-k weights; keep that.
+        return Qwen2MoeConfig(**{**common, **moe, "norm_topk_prob": False}, use_sliding_window=False,
+                              shared_expert_intermediate_size=spec.shared_expert_intermediate_size)
+    raise ValueError(f"TinySpec.arch must be one of llama, qwen2, qwen3, qwen3_moe, qwen2_moe; got "
+                     f"{spec.arch!r}")
 
 
 def write_tiny_model(out_dir: str | Path, spec: TinySpec | None = None) -> Path:

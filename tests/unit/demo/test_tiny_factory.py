@@ -10,7 +10,7 @@ import torch
 from megatron_rl.demo import Problem, TinySpec, write_tiny_model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"])
 def test_tokenizer_round_trips_and_model_loads(tmp_path, arch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -49,3 +49,28 @@ def test_synthetic_splits_are_disjoint_and_deterministic():
     assert not {(p.a, p.b) for p in train} & {(p.a, p.b) for p in ev}
     assert sample_problems(300, seed=1, split="eval") == ev
     assert all(10 <= p.a <= 999 and 10 <= p.b <= 999 for p in train + ev)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_tiny_moe_model_has_the_experts_asked_for(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    spec = TinySpec(arch=arch, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=2,
+                    num_kv_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=48)
+    model = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / arch, spec))
+    cfg = model.config
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 32)
+    names = {n for n, _ in model.named_parameters()}
+    # The routed experts of every layer, and (qwen2_moe) the gated shared expert.
+    assert any(n.startswith("model.layers.1.mlp.experts") for n in names)
+    assert ("model.layers.0.mlp.shared_expert_gate.weight" in names) == (arch == "qwen2_moe")
+    if arch == "qwen2_moe":
+        assert cfg.shared_expert_intermediate_size == 48
+
+
+def test_tiny_spec_refuses_more_experts_per_token_than_experts():
+    from megatron_rl.config.base import ConfigError
+
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        TinySpec(arch="qwen3_moe", num_experts=2, num_experts_per_tok=3).validate()
