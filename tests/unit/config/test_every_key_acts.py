@@ -629,6 +629,11 @@ PROBES: dict[str, Probe] = {
         "arch": "qwen2", "hidden_size": "96", "intermediate_size": "64", "num_layers": "2",
         "num_heads": "4", "num_kv_heads": "1", "max_position_embeddings": "64",
         "tie_word_embeddings": "true", "vocab_multiple": "64", "seed": "5"}.items()},
+    # the expert keys act on a Mixture-of-Experts arch (the shared expert's on qwen2_moe only)
+    **{f"model.tiny.{k}": Probe(v, observe_demo_inputs, TINY + [f"model.tiny.arch={arch}"])
+       for k, v, arch in (("num_experts", "4", "qwen3_moe"), ("num_experts_per_tok", "1", "qwen3_moe"),
+                          ("moe_intermediate_size", "32", "qwen3_moe"),
+                          ("shared_expert_intermediate_size", "32", "qwen2_moe"))},
     "synthetic.enabled": Probe("true", observe_demo_inputs, ["synthetic.train_size=30",
                                                             "synthetic.eval_size=4"]),
     **{f"synthetic.{k}": Probe(v, observe_demo_inputs, ["synthetic.enabled=true",
