@@ -2,9 +2,16 @@
 
 Every x axis counts GRPO steps; dashed lines mark where a stage begins. A figure whose data the run
 does not hold (no dumps, no timings) still renders, with a note saying what is missing.
+
+Text from the run directory (stage names, prompt ids, the wrong-label rule's values) goes through
+:func:`plot_text` before plotly draws it: plotly reads a small HTML subset in every text it draws
+(``<b>``, ``<a href>``, entities), so raw text could change the page's links and formatting; escaped,
+it shows as the characters it holds.
 """
 
 from __future__ import annotations
+
+import html
 
 import numpy as np
 import plotly.graph_objects as go
@@ -16,6 +23,15 @@ POS, NEG = "#2ca02c", "#d62728"
 STAGE_LINE = dict(color="#888", width=1, dash="dash")
 LAYOUT = dict(template="plotly_white", margin=dict(l=60, r=20, t=80, b=45), height=420,
               legend=dict(orientation="h", yanchor="bottom", y=1.06, x=0))
+
+
+def plot_text(value) -> str:
+    """``value`` as text plotly draws literally (its HTML subset escaped: ``<``, ``>``, ``&``)."""
+    return html.escape(str(value), quote=False)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
 def _single(**layout) -> go.Figure:
@@ -36,7 +52,7 @@ def _stages(fig: go.Figure, data: RunData, rows: int = 1) -> None:
     for s in data.stages:
         for r in range(1, rows + 1):
             fig.add_vline(x=s.first - 0.5, line=STAGE_LINE, row=r, col=1)
-        label = s.name if s.max_response_len is None else f"{s.name} (≤{s.max_response_len} tok)"
+        label = plot_text(s.name if s.max_response_len is None else f"{s.name} (≤{s.max_response_len} tok)")
         fig.add_annotation(x=s.first - 0.5, y=1.0, xref="x", yref="paper", text=label, showarrow=False,
                            xanchor="left", yanchor="top", font=dict(size=10, color="#555"))
 
@@ -122,7 +138,7 @@ def trajectories(data: RunData, per_kind: int = 25) -> go.Figure:
             g = by_uid[u]
             fig.add_trace(go.Scatter(x=g["grpo_step"].tolist(), y=g["pass_rate"].tolist(), mode="lines+markers",
                                      line=dict(color=color, width=1), marker=dict(size=4), opacity=0.6,
-                                     name=name, legendgroup=name, showlegend=i == 0, hovertext=u))
+                                     name=name, legendgroup=name, showlegend=i == 0, hovertext=plot_text(u)))
     fig.update_yaxes(title_text="pass rate of the prompt's group", range=[-0.05, 1.05])
     _stages(fig, data)
     _xaxis(fig)
@@ -147,17 +163,17 @@ def rule_map(data: RunData) -> go.Figure:
     for (kind, listed), pts in sorted(groups.items()):
         color, symbol = style[kind]
         fig.add_trace(go.Scatter(
-            x=[p[1] for p in pts], y=[p[2] for p in pts], mode="markers", hovertext=[p[0] for p in pts],
+            x=[p[1] for p in pts], y=[p[2] for p in pts], mode="markers", hovertext=[plot_text(p[0]) for p in pts],
             name=f"{kind}, {'on the list' if listed else 'not listed'} ({len(pts)})",
             marker=dict(color=color, symbol=symbol, size=7 if listed else 5, opacity=0.8 if listed else 0.35,
                         line=dict(width=1, color="black") if listed else dict(width=0))))
     rule = wl.get("rule", {})
-    if "agree_frac" in rule:
+    if _number(rule.get("agree_frac")):
         fig.add_hline(y=rule["agree_frac"], line=STAGE_LINE,
-                      annotation_text=f"agree_frac {rule['agree_frac']}", annotation_position="top right")
-    if rule.get("hard_max_pass_rate"):
+                      annotation_text=f"agree_frac {rule['agree_frac']:g}", annotation_position="top right")
+    if _number(rule.get("hard_max_pass_rate")) and rule["hard_max_pass_rate"]:
         fig.add_vline(x=rule["hard_max_pass_rate"], line=STAGE_LINE,
-                      annotation_text=f"hard_max_pass_rate {rule['hard_max_pass_rate']}",
+                      annotation_text=f"hard_max_pass_rate {rule['hard_max_pass_rate']:g}",
                       annotation_position="top right")
     fig.update_xaxes(title_text="pass rate of the newest samples", range=[-0.03, 1.03])
     fig.update_yaxes(title_text="share of samples giving the top wrong answer", range=[-0.03, 1.03])
@@ -173,7 +189,8 @@ def lengths(data: RunData) -> go.Figure:
         r = data.rollouts.loc[data.rollouts["stage"] == s.name, "response_len"]
         if len(r):  # binned here (one bar per length), so the page carries counts, not samples
             share = r.value_counts(normalize=True).sort_index()
-            fig.add_trace(go.Bar(x=share.index.tolist(), y=share.tolist(), name=s.name, opacity=0.55, width=1))
+            fig.add_trace(go.Bar(x=share.index.tolist(), y=share.tolist(), name=plot_text(s.name), opacity=0.55,
+                                 width=1))
     fig.update_xaxes(title_text="response length (tokens)")
     fig.update_yaxes(title_text="share of the stage's samples")
     return fig
@@ -206,7 +223,7 @@ def logp_gap(data: RunData) -> go.Figure:
         v = r.loc[r["stage"] == s.name, "logp_gap_mean"].to_numpy()
         if len(v):
             counts, _ = np.histogram(v, bins=edges)
-            fig.add_trace(go.Bar(x=centers, y=counts.tolist(), name=s.name, opacity=0.55,
+            fig.add_trace(go.Bar(x=centers, y=counts.tolist(), name=plot_text(s.name), opacity=0.55,
                                  width=float(edges[1] - edges[0])))
     fig.update_xaxes(title_text="mean |log π_trainer − log π_engine| over the response's tokens")
     fig.update_yaxes(title_text="samples", type="log")

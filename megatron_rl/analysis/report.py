@@ -5,6 +5,13 @@ the live list of suspected wrong labels. plotly's JS is copied beside the page, 
 The command's last output line is one JSON object: the report's path, the dump overhead (share of
 GRPO step time spent writing rollout dumps, from the logged timings) and, when the demo planted
 wrong labels, the list's recall and precision.
+
+The page shows what the run directory holds, and anyone may have written that: every value that
+reaches the HTML goes through ``html.escape`` (and every text plotly draws through
+:func:`megatron_rl.analysis.figures.plot_text`; the figures' data travel as JSON, which plotly
+writes with ``<``, ``>`` and ``/`` escaped), so a prompt holding ``<script>`` shows as that text.
+Inputs that could not be used are listed on the page; the command then still writes the report,
+and ends with one line naming them (``megatron-rl: ...``) and exit status 2.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import plotly.io as pio
 
 from megatron_rl.analysis.figures import FIGURES
 from megatron_rl.analysis.run_data import RunData, dump_overhead, load_run, wrong_label_scores
+from megatron_rl.common.errors import InputError
 
 PLOTLY_JS = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
 TABLE_ROWS = 100
@@ -40,15 +48,33 @@ td.text { font-family: ui-monospace, monospace; max-width: 420px; overflow-wrap:
 
 
 def _fmt(v, digits: int = 3) -> str:
+    """A value as text (plain text: escape it for the page)."""
     if v is None:
         return "–"
     if isinstance(v, float):
-        return f"{v:.{digits}g}" if abs(v) < 1e4 else f"{v:,.0f}"
+        return f"{v:.{digits}g}" if abs(v) < 1e4 or v != v or abs(v) == float("inf") else f"{v:,.0f}"
     return str(v)
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _pct(v) -> str:
-    return "–" if v is None else f"{100 * v:.1f}%"
+    return f"{100 * v:.1f}%" if _number(v) else _fmt(v)
+
+
+def _count(v) -> str:
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else _fmt(v)
+
+
+def _e(v) -> str:
+    """``v`` as escaped HTML text."""
+    return html.escape(_fmt(v))
+
+
+class ReportWriteError(InputError):
+    """The report cannot be written where it was asked to go."""
 
 
 def _first_last(data: RunData, key: str) -> str:
@@ -82,7 +108,7 @@ def summary_rows(data: RunData, facts: dict) -> list[tuple[str, str]]:
     wl = data.wrong_labels
     if wl is not None:
         rows.append(("suspected wrong labels (live)",
-                     f"{len(wl.get('suspects', []))} of {wl.get('prompts_seen', 0):,} prompts seen, "
+                     f"{len(wl.get('suspects', []))} of {_count(wl.get('prompts_seen', 0))} prompts seen, "
                      f"as of step {wl.get('step')}"))
     if facts.get("wrong_label_recall") is not None or facts.get("wrong_label_precision") is not None:
         rows.append(("planted wrong labels found",
@@ -124,12 +150,12 @@ def wrong_label_section(data: RunData) -> str:
             ("flagged_since", "listed since step")]
     rule = wl.get("rule", {})
     intro = (f"<p class=what>Found live during training: after each step every prompt's newest "
-             f"{rule.get('window') or 'all'} samples go through the difficulty rule (at least "
-             f"{rule.get('min_samples')} samples; the same rule as <code>megatron-rl data difficulty</code>). "
-             f"Listed: right at most {rule.get('suspect_max_pass_rate', rule.get('hard_max_pass_rate'))} of the "
-             f"time (0: never, stuck at 0) while at least "
-             f"{rule.get('agree_frac')} of the samples give one answer that is not the label, on a data "
-             f"source the policy solves at least {rule.get('min_source_pass_rate')} of the time.</p>")
+             f"{_e(rule.get('window') or 'all')} samples go through the difficulty rule (at least "
+             f"{_e(rule.get('min_samples'))} samples; the same rule as <code>megatron-rl data difficulty</code>). "
+             f"Listed: right at most {_e(rule.get('suspect_max_pass_rate', rule.get('hard_max_pass_rate')))} of "
+             f"the time (0: never, stuck at 0) while at least "
+             f"{_e(rule.get('agree_frac'))} of the samples give one answer that is not the label, on a data "
+             f"source the policy solves at least {_e(rule.get('min_source_pass_rate'))} of the time.</p>")
     sources = [{"uid": name, **v} for name, v in wl.get("sources", {}).items()]
     intro += ("<h3>The policy per data source</h3>" + _table(
         sources, [("uid", "data source"), ("pass_rate", "pass rate (newest samples)"), ("samples", "samples"),
@@ -159,6 +185,11 @@ def render(data: RunData, facts: dict, out_dir: Path) -> Path:
             nav.append('<a href="#wrong_labels">Suspected wrong labels</a>')
     summary = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>"
                       for k, v in summary_rows(data, facts))
+    if data.skipped or data.notes:
+        items = "".join(f"<li>{html.escape(line)}</li>" for line in [*data.skipped, *data.notes])
+        sections.insert(0, '<section id="skipped"><h2>Inputs left out</h2><p class=what>The report was '
+                           f'made without these:</p><ul class="skipped">{items}</ul></section>')
+        nav.insert(0, '<a href="#skipped">Inputs left out</a>')
     name = html.escape(data.root.resolve().name)
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>megatron-rl run report: {name}</title>
@@ -182,7 +213,7 @@ def analyze(run_dir: str | Path, out_dir: str | Path | None = None) -> dict:
     """Write the report; returns the facts (what the command prints as its last line)."""
     data = load_run(run_dir)
     facts = {"dump_overhead": dump_overhead(data.metrics), **wrong_label_scores(data)}
-    if "timing/dump" in data.metrics:
+    if "timing/dump" in data.metrics and "timing/step" in data.metrics:
         facts["dump_seconds_per_step"] = float(data.metrics["timing/dump"].mean())
         facts["step_seconds"] = float(data.metrics["timing/step"].mean())
     facts.setdefault("wrong_label_recall", None)
@@ -190,16 +221,26 @@ def analyze(run_dir: str | Path, out_dir: str | Path | None = None) -> dict:
     if data.wrong_labels is not None:
         facts["suspected_wrong_labels"] = len(data.wrong_labels.get("suspects", []))
     facts["grpo_steps"] = len(data.metrics)
-    index = render(data, facts, Path(out_dir) if out_dir else data.root / "report")
-    facts = {"report": str(index), **facts}
-    (index.parent / "analysis.json").write_text(json.dumps(facts, indent=1))
+    facts["skipped"] = list(data.skipped)
+    out = Path(out_dir) if out_dir else data.root / "report"
+    try:
+        index = render(data, facts, out)
+        facts = {"report": str(index), **facts}
+        (index.parent / "analysis.json").write_text(json.dumps(facts, indent=1))
+    except OSError as exc:  # a read-only run directory, a file where the directory goes, a full disk
+        where = exc.filename or out
+        hint = "" if out_dir else " (give another report directory with --out DIR)"
+        raise ReportWriteError(f"{where}: cannot write the report there: {exc.strerror or exc}{hint}") from None
     return facts
 
 
 def main(run_dir: str, out_dir: str | None = None) -> int:
     """``megatron-rl analyze RUN_DIR [--out DIR]``: write the report, print its figures; the last
     line is the facts as one JSON object. A path that is no run directory raises
-    :class:`~megatron_rl.analysis.run_data.RunDirError` (``megatron-rl`` prints it, exit 2)."""
+    :class:`~megatron_rl.analysis.run_data.RunDirError`, a report directory that cannot be written
+    :class:`ReportWriteError`; inputs left out (a damaged dump, metrics lines that are no JSON) are
+    raised as one :class:`InputError` naming them once the report is written (``megatron-rl``
+    prints each as one line, exit 2)."""
     facts = analyze(run_dir, out_dir)
     if facts["dump_overhead"] is not None:
         print(f"rollout dumps: {100 * facts['dump_overhead']:.2f}% of GRPO step time "
@@ -211,4 +252,8 @@ def main(run_dir: str, out_dir: str | None = None) -> int:
               f"{facts['planted_hard_on_list']}")
     print(f"report: {facts['report']}")
     print(json.dumps(facts))
+    if facts["skipped"]:  # the report is written; the inputs it could not use are named
+        first = facts["skipped"][0]
+        more = f" (and {len(facts['skipped']) - 1} more, listed in the report)" if len(facts["skipped"]) > 1 else ""
+        raise InputError(f"{first}{more}; the report was made from the rest: {facts['report']}")
     return 0

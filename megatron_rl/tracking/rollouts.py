@@ -19,6 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from megatron_rl.common.errors import InputError
 from megatron_rl.tracking.config import RolloutDumpConfig  # noqa: F401  (the dumper's config, declared with the rest)
 
 log = logging.getLogger("megatron_rl")
@@ -129,9 +130,48 @@ def table_rows(columns: dict[str, list], n: int) -> list[list]:
     return [[columns[c][i] for c in TABLE_COLUMNS] for i in picks]
 
 
-def read_rollouts(run_dir: str | Path, columns: list[str] | None = None):
-    """All dumped steps as one pandas DataFrame (a redone step's file replaced the first one)."""
+class DumpError(InputError):
+    """A dump file that cannot be read (truncated, not parquet, not the dump's columns)."""
+
+
+def read_dump(path: Path):
+    """One step's dump as an arrow table with the dump's :data:`SCHEMA`; a file that is not one
+    (truncated by a full disk, another program's parquet, not parquet at all) raises
+    :class:`DumpError` naming it and what is wrong."""
+    try:
+        table = pq.read_table(path)
+    except (OSError, ValueError, pa.ArrowException) as exc:
+        raise DumpError(f"{path}: not a readable parquet file ({_first_line(exc)})") from None
+    missing = [name for name in SCHEMA.names if name not in table.column_names]
+    if missing:
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        raise DumpError(f"{path}: not a rollout dump (no column {', '.join(missing[:4])}{more})")
+    try:
+        return table.select(SCHEMA.names).cast(SCHEMA)
+    except (ValueError, pa.ArrowException) as exc:
+        raise DumpError(f"{path}: columns of the wrong type ({_first_line(exc)})") from None
+
+
+def read_rollouts(run_dir: str | Path, columns: list[str] | None = None, skipped: list[str] | None = None):
+    """All dumped steps as one pandas DataFrame (a redone step's file replaced the first one).
+
+    A file that cannot be read raises :class:`DumpError`; with ``skipped`` (a list) it is left out
+    instead and the reason (naming the file) appended there."""
     files = sorted((Path(run_dir) / DIR_NAME).glob("step_*.parquet"))
-    if not files:
+    tables = []
+    for f in files:
+        try:
+            tables.append(read_dump(f))
+        except DumpError as exc:
+            if skipped is None:
+                raise
+            skipped.append(f"{exc}: skipped")
+    if not tables:
         return None
-    return pq.ParquetDataset(files).read(columns=columns).to_pandas()
+    table = pa.concat_tables(tables)
+    return (table.select(columns) if columns else table).to_pandas()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:200]

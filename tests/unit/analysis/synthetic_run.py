@@ -26,18 +26,23 @@ STAGES = [("stage1_12", 12, 10), ("stage2_16", 16, 8), ("stage3_24", 24, 6)]
 def make_run(root: Path, *, prompts: int = 200, batch: int = 40, group: int = 8, planted: int = 10,
              hard: int = 10, seed: int = 0, sft_steps: int = 30,
              dump_cfg: RolloutDumpConfig | None = None,
-             monitor_cfg: WrongLabelConfig | None = None) -> dict:
-    """Write ``root`` as a finished run; returns what was simulated (for independent checks)."""
+             monitor_cfg: WrongLabelConfig | None = None, text=None) -> dict:
+    """Write ``root`` as a finished run; returns what was simulated (for independent checks).
+
+    ``text(field, value)``, when given, rewrites every text the run holds (``field``: stage,
+    uid, source, prompt, label, response, answer) before it is written (the report's markup tests
+    plant HTML with it)."""
+    text = text or (lambda field, value: value)
     rng = random.Random(seed)
     root.mkdir(parents=True, exist_ok=True)
-    uids = [f"train-{i}" for i in range(prompts)]
+    uids = [text("uid", f"train-{i}") for i in range(prompts)]
     kind = {u: "normal" for u in uids}
     for u in rng.sample(uids, planted + hard)[:planted]:
         kind[u] = "wrong_label"
     for u in [u for u in uids if kind[u] == "normal"][:hard]:
         kind[u] = "hard"
     true = {u: (rng.randint(10, 999), rng.randint(10, 999)) for u in uids}
-    label = {u: str(sum(true[u]) + (7 if kind[u] == "wrong_label" else 0)) for u in uids}
+    label = {u: text("label", str(sum(true[u]) + (7 if kind[u] == "wrong_label" else 0))) for u in uids}
     base = {u: (-4.5 if kind[u] == "hard" else rng.uniform(-2.0, 1.0)) for u in uids}
     (root / PLANTED_FILE).parent.mkdir(parents=True, exist_ok=True)
     (root / PLANTED_FILE).write_text(json.dumps({
@@ -53,6 +58,7 @@ def make_run(root: Path, *, prompts: int = 200, batch: int = 40, group: int = 8,
     grpo = 0
     global_step = sft_steps
     for stage, max_len, steps in STAGES:
+        stage = text("stage", stage)
         for stage_step in range(1, steps + 1):
             grpo += 1
             global_step += 1
@@ -81,24 +87,25 @@ def make_run(root: Path, *, prompts: int = 200, batch: int = 40, group: int = 8,
                         ans = str(rng.randint(100, 1999))
                     else:
                         ans = str(a + b + rng.choice([-100, -10, -1, 1, 10, 100, 11, -11]))
-                    answers.append(ans)
-                    correct.append(ans == label[u])
+                    correct.append(ans == str(sum(true[u]) + (7 if kind[u] == "wrong_label" else 0)))
+                    answers.append(text("answer", ans))
                 rewards = [1.0 if c else 0.0 for c in correct]
                 mean = sum(rewards) / group
                 std = (sum((r - mean) ** 2 for r in rewards) / group) ** 0.5
                 in_batch = std > 0
-                source = "sim/hard" if kind[u] == "hard" else "sim/addition"
-                groups.append((u, label[u], f"{a}+{b}=", source, correct, answers))
+                source = text("source", "sim/hard" if kind[u] == "hard" else "sim/addition")
+                prompt = text("prompt", f"{a}+{b}=")
+                groups.append((u, label[u], prompt, source, correct, answers))
                 for i, (ans, c) in enumerate(zip(answers, correct)):
                     adv = (rewards[i] - mean) / (std + 1e-6) if in_batch else 0.0
-                    resp = f"\\boxed{{{ans}}}"
+                    resp = text("response", f"\\boxed{{{ans}}}")
                     n = len(resp) + 1
                     truncated = n > max_len
                     ent = rng.uniform(0.05, 0.3) if c else rng.uniform(0.3, 0.9)
                     lp = -rng.uniform(0.01, 0.2) if c else -rng.uniform(0.3, 1.2)
                     row = dict(grpo_step=grpo, global_step=global_step, stage=stage, stage_step=stage_step,
                                max_response_len=max_len, group=g, sample=i, prompt_uid=u, data_source=source,
-                               prompt=f"{a}+{b}=",
+                               prompt=prompt,
                                ground_truth=label[u], response=resp, prompt_ids=[ord(ch) for ch in f"{a}+{b}="],
                                response_ids=[ord(ch) for ch in resp][:max_len], reward=rewards[i],
                                outcome="correct" if c else "wrong", answer=ans, correct=c,
