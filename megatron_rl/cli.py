@@ -58,7 +58,7 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
     from megatron_rl.tracking.logs import hidden_warnings, route_logs
     from megatron_rl.trainer.context import build_context
     from megatron_rl.trainer.run import nothing_left, run
-    from megatron_rl.trainer.schema import load_run_config
+    from megatron_rl.trainer.schema import check_world_size, load_run_config
     from megatron_rl.trainer.stop import StopRequest
 
     if run_dir is not None:  # ``--run-dir ''`` is refused by the config's check, never ignored
@@ -68,6 +68,8 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
     cfg = load_run_config(config, overrides)
     if stage:
         cfg.stage(stage)  # fail fast on an unknown stage, before anything is built
+    # the number of trainer processes (torchrun's) against the layout and the engine, before the world starts
+    check_world_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     if nothing_left(cfg, stage):
         logging.getLogger("megatron_rl").info("%s: %s already finished; nothing to do", cfg.trainer.run_dir,
                                               f"stage {stage}" if stage else "every stage")

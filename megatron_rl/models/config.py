@@ -44,6 +44,20 @@ class ParallelConfig(ConfigBase):
             self.fail("sequence_parallel", f"needs tensor_parallel > 1, got tensor_parallel="
                       f"{self.tensor_parallel}")
 
+    def check_world(self, world_size: int, where: str = "") -> int:
+        """The data-parallel size of this layout on ``world_size`` processes (``where``: where that
+        number comes from); a layout that does not fit is refused, naming the key."""
+        tp, pp, cp = self.tensor_parallel, self.pipeline_parallel, self.context_parallel
+        what = f"tensor_parallel ({tp}) x pipeline_parallel ({pp})" + (f" x context_parallel ({cp})" if cp > 1 else "")
+        from_ = f" ({where})" if where else ""
+        if tp * pp * cp > world_size:
+            self.fail("tensor_parallel", f"{what} = {tp * pp * cp} ranks needed but only {world_size} "
+                                         f"processes are running{from_}")
+        if world_size % (tp * pp * cp):
+            self.fail("tensor_parallel", f"{what} = {tp * pp * cp} does not divide the world size "
+                                         f"{world_size}{from_}")
+        return world_size // (tp * pp * cp)
+
     @property
     def model_parallel(self) -> int:
         """Ranks that run one copy of the model on one batch share (TP x PP x CP)."""

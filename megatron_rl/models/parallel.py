@@ -110,15 +110,7 @@ def check_layout(cfg: ParallelConfig, world_size: int, shape: ModelShape | None 
     """
     cfg.validate()
     tp, pp, cp = cfg.tensor_parallel, cfg.pipeline_parallel, cfg.context_parallel
-    what = f"tensor_parallel ({tp}) x pipeline_parallel ({pp})"
-    if cp > 1:
-        what += f" x context_parallel ({cp})"
-    if tp * pp * cp > world_size:
-        cfg.fail("tensor_parallel", f"{what} = {tp * pp * cp} ranks needed but only {world_size} "
-                 f"processes are running")
-    if world_size % (tp * pp * cp):
-        cfg.fail("tensor_parallel", f"{what} = {tp * pp * cp} does not divide the world size "
-                 f"{world_size}")
+    dp = cfg.check_world(world_size)
     if shape is not None:
         if shape.num_heads % tp:
             cfg.fail("tensor_parallel", f"num_attention_heads ({shape.num_heads}) is not divisible "
@@ -138,7 +130,7 @@ def check_layout(cfg: ParallelConfig, world_size: int, shape: ModelShape | None 
             name = "virtual_pipeline" if cfg.vpp > 1 else "pipeline_parallel"
             cfg.fail(name, f"num_hidden_layers ({shape.num_layers}) is not divisible by "
                      f"pipeline_parallel ({pp}) x virtual_pipeline ({cfg.vpp}) = {stages}")
-    return world_size // (tp * pp * cp)
+    return dp
 
 
 def _world_from_env() -> tuple[int, int]:

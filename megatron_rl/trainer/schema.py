@@ -73,6 +73,23 @@ class RunConfig(ConfigBase):
         raise ConfigError("stages", f"no stage named {name!r}; stages are {[s.name for s in self.stages]}")
 
 
+# Why the in-process engine cannot run beside a multi-process trainer (the refusal's reason).
+IN_PROCESS_ENGINE_ONE_RANK = (
+    "rollout.engine='vllm' (vLLM in the trainer's process) runs with one trainer process only: vLLM "
+    "builds its process groups on the trainer's torch.distributed world, and with several ranks it waits "
+    "for the others forever. Use rollout.engine='vllm_server' (vLLM in processes of its own; "
+    "sync.transport gloo on CPU, nccl on GPUs)")
+
+
+def check_world_size(cfg: RunConfig, world_size: int, where: str = "WORLD_SIZE") -> None:
+    """Checks that need the number of trainer processes (``where`` says where it comes from: the
+    launcher's environment, ``nodes x procs per node``): the in-process engine needs one, and the
+    layout must fit. Before anything starts, on every rank alike (no collective)."""
+    if cfg.rollout.engine == "vllm" and world_size > 1:
+        raise ConfigError("rollout.engine", f"{where}={world_size}, but {IN_PROCESS_ENGINE_ONE_RANK}")
+    cfg.policy.parallel.check_world(world_size, where)
+
+
 def validate_cross(cfg: RunConfig) -> None:
     """Checks that span components (each component checks its own fields in its validate)."""
     if not cfg.stages:
@@ -87,6 +104,12 @@ def validate_cross(cfg: RunConfig) -> None:
     if not servers and cfg.sync.transport != "inprocess":
         raise ConfigError("sync.transport", f"'{cfg.sync.transport}' drives vLLM servers: it needs "
                                             "rollout.engine='vllm_server' (the in-process engine uses 'inprocess')")
+    if not servers:
+        par = cfg.policy.parallel
+        for name in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
+            if getattr(par, name) > 1:
+                raise ConfigError(f"policy.parallel.{name}", f"{getattr(par, name)} needs as many trainer processes, "
+                                                             f"but {IN_PROCESS_ENGINE_ONE_RANK}")
     if cfg.rollout.async_.dynamic_sampling and not cfg.algo.filter_zero_variance_groups:
         raise ConfigError("rollout.async.dynamic_sampling", "keeps drawing until the step has groups with reward "
                                                             "variance: it needs algo.filter_zero_variance_groups=true")

@@ -16,6 +16,9 @@ from policy_testlib import LENGTHS, PROMPTS, make_batch, make_loss_fn, write_hf_
 
 pytestmark = pytest.mark.slow
 
+# Layouts of several ranks need the engines in processes of their own (the in-process engine is refused).
+SERVERS = ["rollout.engine=vllm_server", "rollout.placement=external", "rollout.server_urls=[http://127.0.0.1:1]",
+           "sync.transport=gloo"]
 PROBES = {  # key: (changed value, given overrides)
     "policy.parallel.tensor_parallel": ("2", []),
     "policy.parallel.pipeline_parallel": ("2", []),
@@ -138,7 +141,7 @@ def test_changing_the_key_changes_what_it_drives(key, models, groups):
 
     value, given = PROBES[key]
     base = ["stages=[{name: s, max_response_len: 4, max_steps: 1}]", "model.path=x",
-            "policy.optim.lr=0.01", "policy.micro_batch_tokens=200", *given]
+            "policy.optim.lr=0.01", "policy.micro_batch_tokens=200", *SERVERS, *given]
     value = value.replace("{other}", str(models[1]))
     before = _observe(load_run_config(None, base), models[0], groups)
     after = _observe(load_run_config(None, [*base, f"{key}={value}"]), models[0], groups)

@@ -1,0 +1,65 @@
+"""The in-process engine beside a multi-process trainer hung (issue 27: `torchrun --nproc-per-node 2
+... policy.parallel.context_parallel=2` on the demo config, no step for minutes): vLLM in the trainer's
+process builds its process groups on the trainer's torch.distributed world, so rank 0 waited in
+vLLM's group creation for ranks that were already waiting in the trainer's next collective. Every
+layout of more than one rank does this (TP, PP, CP, or data parallel from torchrun alone). Each is
+refused before anything starts: TP / PP / CP > 1 when the config is validated, more trainer
+processes than one (WORLD_SIZE) at the entry point, before the world starts."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from megatron_rl.cli import main
+from megatron_rl.config import ConfigError
+from megatron_rl.trainer.schema import check_world_size, load_run_config
+from tests.unit.test_entry_point_errors import DEMO, check_one_line
+
+SERVERS = ["rollout.engine=vllm_server", "rollout.placement=external", "rollout.server_urls=[http://127.0.0.1:1]",
+           "sync.transport=gloo"]
+LAYOUT_KEYS = ("tensor_parallel", "pipeline_parallel", "context_parallel")
+
+
+@pytest.mark.parametrize("tp,pp,cp,staleness", [c for c in itertools.product((1, 2), (1, 2), (1, 2), (0, 1))])
+def test_no_hang_every_layout_with_the_in_process_engine_is_refused_at_validation(tp, pp, cp, staleness):
+    overrides = [f"policy.parallel.tensor_parallel={tp}", f"policy.parallel.pipeline_parallel={pp}",
+                 f"policy.parallel.context_parallel={cp}", f"rollout.async.max_staleness={staleness}"]
+    if (tp, pp, cp) == (1, 1, 1):
+        cfg = load_run_config(DEMO, overrides)
+        check_world_size(cfg, 1)  # one process: runs (the demo)
+        with pytest.raises(ConfigError, match=r"rollout\.engine.*WORLD_SIZE=2.*vllm_server"):
+            check_world_size(cfg, 2)  # data parallel from torchrun alone
+        return
+    with pytest.raises(ConfigError) as e:
+        load_run_config(DEMO, overrides)
+    first = next(k for k, n in zip(LAYOUT_KEYS, (tp, pp, cp)) if n > 1)
+    assert e.value.key == f"policy.parallel.{first}" and "rollout.engine='vllm'" in str(e.value)
+    assert "waits for the others forever" in str(e.value) and "vllm_server" in str(e.value)
+    # ... and with the engines in their own processes the same layout validates, checked against
+    # the number of processes before the world starts
+    cfg = load_run_config(DEMO, [*overrides, *SERVERS])
+    check_world_size(cfg, tp * pp * cp)
+    check_world_size(cfg, 2 * tp * pp * cp)
+    with pytest.raises(ConfigError, match=r"ranks needed but only 1 processes are running \(WORLD_SIZE\)"):
+        check_world_size(cfg, 1)
+    if tp * pp * cp == 4:
+        with pytest.raises(ConfigError, match=r"does not divide the world size 6 \(WORLD_SIZE\)"):
+            check_world_size(cfg, 6)
+
+
+@pytest.mark.parametrize("rank,world,extra,says", [
+    ("0", "2", ["policy.parallel.context_parallel=2"], ("'policy.parallel.context_parallel'", "vllm_server")),
+    ("1", "2", [], ("(rank 1)", "'rollout.engine'", "WORLD_SIZE=2")),
+    ("0", "3", [*SERVERS, "policy.parallel.tensor_parallel=2"], ("does not divide the world size 3 (WORLD_SIZE)",)),
+])
+def test_no_hang_the_demo_under_torchrun_says_why_in_one_line(capsys, monkeypatch, tmp_path, rank, world, extra, says):
+    """What each rank of `torchrun --nproc-per-node N -m megatron_rl.cli demo ...` prints (its
+    environment, in process): one line, exit 2, before the world or any model starts."""
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    code = main(["demo", "--run-dir", str(tmp_path / "run"), *extra])
+    out, err = capsys.readouterr()
+    check_one_line(code, out, err, *says)
+    assert not (tmp_path / "run").exists()  # nothing started
