@@ -22,55 +22,104 @@ def make_engine(model_path: str, cfg: RolloutConfig, *, seed: int = 0, max_model
 
         return VLLMEngine(model_path, cfg, seed=seed, max_model_len=max_model_len)
     if cfg.engine == "vllm_server":
-        return connect_fleet(cfg, registry_dir=registry_dir, names=names, max_model_len=max_model_len)
+        return connect_fleet(cfg, registry_dir=registry_dir, names=names, max_model_len=max_model_len,
+                             model_path=model_path)
     raise ValueError(f"rollout.engine: unknown engine {cfg.engine!r}")
 
 
 def connect_fleet(cfg: RolloutConfig, *, registry_dir: str | None = None, names: list[str] | None = None,
-                  max_model_len: int | None = None):
+                  max_model_len: int | None = None, model_path: str | None = None):
     """Wait (up to ``rollout.start_timeout_s``) for the servers, then drive them as one fleet.
 
     ``external``: the servers at ``cfg.server_urls``; otherwise the ``cfg.num_engines`` engines the
-    node launchers registered in ``registry_dir`` (exactly ``names`` when given). A server whose
-    max model length is below ``max_model_len`` (the run's longest prompt + response) is refused."""
+    node launchers registered in ``registry_dir`` (exactly ``names`` when given). Refused, naming
+    the config key, the URL and what is wrong (:mod:`megatron_rl.rollout.identity`): a URL where
+    another service answers, the same server twice, a vLLM server without the routes the trainer
+    drives, one whose max model length is below ``max_model_len`` (the run's longest prompt +
+    response) or that serves another model than the policy's at ``model_path``."""
     from megatron_rl.rollout.fleet import EngineFleet
-    from megatron_rl.rollout.registry import EngineRegistry
-    from megatron_rl.rollout.server import VLLMServer, server_healthy
+    from megatron_rl.rollout.server import VLLMServer
 
     locate = None
     if cfg.placement == "external":
+        keys = [f"rollout.server_urls[{i}]" for i in range(len(cfg.server_urls))]
+        check_distinct(cfg.server_urls, keys)
         servers = [VLLMServer(url, cfg, name=f"engine{i}") for i, url in enumerate(cfg.server_urls)]
-        deadline = time.monotonic() + cfg.start_timeout_s
-        while True:
-            missing = [s for s in servers if not s.health(timeout=5.0)]
-            if not missing:
-                break
-            if time.monotonic() > deadline:
-                raise EngineError(f"rollout.server_urls: no answer from {[s.url for s in missing]} within "
-                                  f"rollout.start_timeout_s={cfg.start_timeout_s:g}s")
-            time.sleep(1.0)
+        wait_healthy(servers, keys, cfg.start_timeout_s, "rollout.start_timeout_s")
     else:
         if not registry_dir:
             raise ValueError("vllm_server engines launched per node need the registry directory")
+        from megatron_rl.rollout.registry import EngineRegistry
+        from megatron_rl.rollout.server import server_healthy
 
         registry = EngineRegistry(registry_dir)
         records = registry.wait(cfg.num_engines, names, cfg.start_timeout_s, ready=lambda rec: server_healthy(rec.url))
+        keys = [f"rollout.registry_dir (engine {r.name}, {registry.path(r.name)})" for r in records]
+        check_distinct([r.url for r in records], keys)
         servers = [VLLMServer(r.url, cfg, name=r.name, workers=r.workers) for r in records]
 
         def locate(name: str) -> str | None:
             rec = registry.records().get(name)
             return rec.url if rec is not None else None
     try:
-        for i, server in enumerate(servers):
-            server.connect()
-            if max_model_len:
-                server.require_model_len(max_model_len, f"rollout.server_urls[{i}]" if cfg.placement == "external"
-                                         else "rollout.registry_dir")
+        for key, server in zip(keys, servers):
+            check_server(server, key, max_model_len, model_path)
     except BaseException:
         for server in servers:
             server.close()
         raise
     return EngineFleet(servers, cfg, locate=locate)
+
+
+def check_distinct(urls: list[str], keys: list[str]) -> None:
+    """Refuse the same server listed twice (also two host names of one address)."""
+    from megatron_rl.config.base import ConfigError
+    from megatron_rl.rollout.addresses import same_resolved, same_servers
+
+    pairs = same_servers(urls) or same_resolved(urls)
+    if pairs:
+        i, j = pairs[0]
+        raise ConfigError(keys[j].split(" ")[0], f"{urls[j]} is the same server as {urls[i]} ({keys[i]}): "
+                                                f"each server is counted once")
+
+
+def wait_healthy(servers: list, keys: list[str], timeout_s: float, timeout_key: str) -> None:
+    """Wait until every server answers ``/health``; a service that answers anything else than a
+    starting vLLM server is refused at once, one that stays silent at the deadline, each with what it
+    answered."""
+    from megatron_rl.config.base import ConfigError
+    from megatron_rl.rollout.identity import health_answer
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        last = {}
+        for key, server in zip(keys, servers):
+            final, what = health_answer(server.url, min(5.0, server.cfg.control_timeout_s))
+            if final:
+                raise ConfigError(key, f"{server.url} {what}: not a vLLM server (another service on that port, "
+                                       f"or the wrong port or path?)")
+            if what:
+                last[key] = f"{server.url}: {what}"
+        if not last:
+            return
+        if time.monotonic() > deadline:
+            raise ConfigError(next(iter(last)), f"no vLLM server answered within {timeout_key}={timeout_s:g}s: "
+                                                + "; ".join(last.values()))
+        time.sleep(1.0)
+
+
+def check_server(server, key: str, max_model_len: int | None = None, model_path: str | None = None) -> None:
+    """Connect ``server`` (a :class:`~megatron_rl.rollout.server.VLLMServer` that answered
+    ``/health``) after checking it is the vLLM server the run needs (see :func:`connect_fleet`)."""
+    from megatron_rl.rollout.identity import check_model, check_service, policy_shape
+
+    timeout = server.cfg.control_timeout_s
+    check_service(server.url, key, timeout)
+    server.connect()
+    if max_model_len:
+        server.require_model_len(max_model_len, key)
+    if model_path:
+        check_model(server, key, policy_shape(model_path), model_path, timeout)
 
 
 def group_stream(engine: RolloutEngine, streaming: bool):
@@ -91,5 +140,5 @@ def group_stream(engine: RolloutEngine, streaming: bool):
 
 
 __all__ = ["PAUSE_MODES", "UNKNOWN_VERSION", "Completion", "EngineDied", "EngineError", "EngineTimeout",
-           "PauseMode", "RolloutConfig", "RolloutEngine", "SamplingSpec", "connect_fleet", "group_stream",
-           "make_engine"]
+           "PauseMode", "RolloutConfig", "RolloutEngine", "SamplingSpec", "check_server", "connect_fleet",
+           "group_stream", "make_engine"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_rl.config.base import ConfigBase, ranged
+from megatron_rl.rollout.addresses import same_servers, url_problem
 
 ENGINES = ("vllm", "vllm_server")
 PLACEMENTS = ("colocated", "dedicated", "external")
@@ -156,11 +157,24 @@ class RolloutConfig(ConfigBase):
             if not self.server_urls:
                 self.fail("server_urls", "placement 'external' needs the servers' URLs")
             for i, url in enumerate(self.server_urls):
-                if not url.startswith(("http://", "https://")):
-                    self.fail("server_urls", f"entry {i} must start with http:// or https://, got {url!r}")
+                problem = url_problem(url)
+                if problem:
+                    self.fail("server_urls", f"entry {i} {problem}")
+            for i, j in same_servers(self.server_urls):
+                self.fail("server_urls", f"entries {i} and {j} are the same server ({self.server_urls[i]!r} and "
+                                         f"{self.server_urls[j]!r}): list each server once")
             if self.num_engines not in (0, 1, len(self.server_urls)):
                 self.fail("num_engines", f"is {self.num_engines} but server_urls lists "
                                          f"{len(self.server_urls)} servers")
+        seen: dict[str, int] = {}
+        for i, host in enumerate(self.hosts):
+            if not isinstance(host, str) or not host or any(c.isspace() or c in "/:,[]" for c in host):
+                self.fail("hosts", f"entry {i} must be a host name, got {host!r}")
+            name = host.lower().rstrip(".")
+            if name in seen:
+                self.fail("hosts", f"entries {seen[name]} and {i} are the same host ({self.hosts[seen[name]]!r} and "
+                                   f"{host!r}): list each engine host once (it runs rollout.engines_per_node engines)")
+            seen[name] = i
         if self.num_engines == 0 and not (self.engine == "vllm_server" and self.placement != "external"):
             self.fail("num_engines", "0 (every node's engines) needs engine='vllm_server' launched per node")
 

@@ -127,7 +127,7 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
         try:
             run.recover()  # what a save killed mid-way left behind
             train_records, sft_records, eval_records = load_run_data(cfg, tokenizer, max_positions)
-            check_external_servers(cfg)
+            check_external_servers(cfg, model_path)
         except InputError as exc:
             problem = exc
     if groups.world_size > 1:  # every rank stops with the driver's error, none waits for it

@@ -52,25 +52,38 @@ def registry_dir(cfg: RunConfig) -> Path:
     return Path(cfg.rollout.registry_dir or Path(cfg.trainer.run_dir) / "engines")
 
 
-def check_external_servers(cfg: RunConfig, timeout: float = 5.0) -> None:
-    """placement external: the servers that already answer must hold the run's longest prompt +
-    response, checked before anything is built (one not up yet is checked when the fleet connects)."""
-    from megatron_rl.rollout import EngineError
+def check_external_servers(cfg: RunConfig, model_path: str | None = None, timeout: float = 5.0) -> None:
+    """placement external: the servers listed once each, and those that already answer must be the
+    vLLM servers the run needs (the routes it drives, the policy's model at ``model_path``, the run's
+    longest prompt + response), checked before anything is built; one not up yet is checked when
+    the fleet connects."""
+    from megatron_rl.rollout import EngineError, check_server
+    from megatron_rl.rollout.identity import health_answer
     from megatron_rl.rollout.server import VLLMServer
 
     r = cfg.rollout
     if r.engine != "vllm_server" or r.placement != "external":
         return
+    from megatron_rl.config.base import ConfigError
+    from megatron_rl.rollout import check_distinct
+
+    keys = [f"rollout.server_urls[{i}]" for i in range(len(r.server_urls))]
+    check_distinct(r.server_urls, keys)
     need = max_sequence_len(cfg)
-    for i, url in enumerate(r.server_urls):
-        server = VLLMServer(url, r, name=f"engine{i}")
+    for key, url in zip(keys, r.server_urls):
+        final, what = health_answer(url, timeout)
+        if final:
+            raise ConfigError(key, f"{url} {what}: not a vLLM server (another service on that port, or the "
+                                   f"wrong port or path?)")
+        if what:
+            continue  # not up yet
+        server = VLLMServer(url, r, name=key)
         try:
-            server.served_model(timeout=timeout)
+            check_server(server, key, need, model_path)
         except EngineError:
             continue
         finally:
             server.close()
-        server.require_model_len(need, f"rollout.server_urls[{i}]")
 
 
 def node_launcher(cfg: RunConfig, model_path: str, *, node: str | None = None, host: str | None = None,

@@ -124,9 +124,11 @@ def model_card_server():
     card = {"max_model_len": 28}
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            body = json.dumps({"object": "list", "data": [{"id": "m", "object": "model", **card}]}).encode()
-            self.send_response(200 if self.path == "/v1/models" else 404)
+        def do_GET(self):  # noqa: N802  (and the other routes the trainer checks, answered as vLLM does)
+            routes = {"/v1/models": {"object": "list", "data": [{"id": "m", "object": "model", **card}]},
+                      "/health": {}, "/is_paused": {"is_paused": False}, "/weight_info": {"weight_version": "default"}}
+            body = json.dumps(routes.get(self.path, {"detail": "Not Found"})).encode()
+            self.send_response(200 if self.path in routes else 405 if self.path == "/inference/v1/generate" else 404)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
