@@ -79,12 +79,33 @@ def engine_overrides(cfg: LaunchConfig) -> list[str]:
 
 def check_run_config(cfg: LaunchConfig, stage: str, run_dir: Path) -> None:
     """The trainer's config as the job will load it (its overrides, the placement's, the run
-    directory), validated here before anything is submitted: a bad key or value is refused now,
-    naming it, not in the job."""
+    directory), validated here before anything is printed or submitted: a bad key or value is
+    refused now, naming it, not in the job. So is a layout the job cannot run: the trainer's
+    TP x PP x CP against its processes (nodes x processes per node), more processes per node than
+    GPUs, a vLLM engine (or a node's engines) needing more GPUs than a node has."""
     from megatron_rl.tools.job_config import check_job_config
 
-    check_job_config(str(cfg.config_path()), [f"trainer.run_dir={run_dir}", *cfg.overrides], stage=stage,
-                     dedicated=cfg.rollout_placement == "dedicated")
+    nproc = cfg.procs_per_node()
+    world_from = (f"--nodes ({cfg.nodes}) x " + (f"--nproc-per-node ({nproc})" if cfg.nproc_per_node else
+                                                 f"--gpus-per-node ({nproc})" if cfg.executor == "slurm" else
+                                                 "1 process (--nproc-per-node)"))
+    run, _ = check_job_config(str(cfg.config_path()), [f"trainer.run_dir={run_dir}", *cfg.overrides], stage=stage,
+                              dedicated=cfg.rollout_placement == "dedicated", world_size=cfg.nodes * nproc,
+                              world_from=world_from)
+    if cfg.executor != "slurm":
+        return
+    if nproc > cfg.gpus_per_node:
+        cfg.fail("nproc_per_node", f"{nproc} trainer processes per node, but --gpus-per-node is {cfg.gpus_per_node}: "
+                                   f"one GPU each")
+    r = run.rollout
+    if r.engine == "vllm_server":
+        per_node = r.tensor_parallel_size * r.engines_per_node
+        if per_node > cfg.gpus_per_node:
+            from megatron_rl.config.base import ConfigError
+
+            raise ConfigError("rollout.engines_per_node", f"{r.engines_per_node} engines x rollout.tensor_parallel_size "
+                                                          f"{r.tensor_parallel_size} = {per_node} GPUs per node, but "
+                                                          f"--gpus-per-node is {cfg.gpus_per_node}")
 
 
 def _quote(arg: str) -> str:

@@ -43,6 +43,39 @@
 
 mrl_log() { echo "[megatron-rl $(date +%H:%M:%S)] $*" >&2; }
 
+# shellcheck source=slurm/env_checks.sh
+source "$(dirname "${BASH_SOURCE[0]}")/env_checks.sh"
+
+mrl_check_env() {  # every variable this file reads, checked for its type before any is used
+  mrl_need_int STAGE_INDEX 1 3
+  mrl_need_dir MEGATRON_RL_HOME "checkout directory"
+  mrl_need_int NPROC_PER_NODE 1
+  mrl_need_int MASTER_PORT 1 65535
+  mrl_need_venv
+  mrl_need_choice LAUNCHER torchrun direct
+  mrl_need_choice ROLLOUT_PLACEMENT colocated dedicated
+  mrl_need_int ROLLOUT_NODES 1
+  mrl_need_words ROLLOUT_HOSTS
+  mrl_need_int MAX_REQUEUES 0
+  mrl_need_choice DRY_RUN 0 1
+  mrl_need_int SLURM_JOB_ID 0
+  mrl_need_int SLURM_RESTART_COUNT 0
+  mrl_need_int SLURM_GPUS_ON_NODE 0
+  mrl_need_int SLURM_CPUS_ON_NODE 1
+  mrl_need_words MASTER_ADDR
+  if [ -n "${RUN_DIR:-}" ] && [ -e "$RUN_DIR" ] && [ ! -d "$RUN_DIR" ]; then
+    _mrl_refuse "RUN_DIR: not a directory: $RUN_DIR"
+  fi
+  local name
+  for name in MODEL_PATH INIT_FROM; do  # (a relative path is the trainer's to find, from the checkout)
+    case "${!name:-}" in /*) mrl_need_dir "$name" "directory" ;; esac
+  done
+  if [ -n "${CONTAINER_MOUNTS:-}" ] && ! [[ ",$CONTAINER_MOUNTS" =~ ^(,[^,:]+:[^,]+)+$ ]]; then
+    _mrl_refuse "CONTAINER_MOUNTS must be src:dst[,src:dst...], got '$CONTAINER_MOUNTS'"
+  fi
+  mrl_env_ok
+}
+
 mrl_home() {  # the checkout this file belongs to (the stage scripts source it from there)
   if [ -n "${MEGATRON_RL_HOME:-}" ]; then echo "$MEGATRON_RL_HOME"; return; fi
   (cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -60,15 +93,29 @@ mrl_fail() {  # an input the job cannot use: one line, as every megatron-rl entr
   echo "megatron-rl: $*" >&2; return 2
 }
 
-mrl_job_config() {  # mrl_job_config CONFIG [OVERRIDE ...]: "<stage>\n<trainer.run_dir>\n<rollout.engine>",
-  # the config validated with the overrides the trainer gets (a bad key: one line, exit 2)
+mrl_job_config() {  # mrl_job_config CONFIG [--world-size N --world-from TEXT] [OVERRIDE ...]:
+  # "<stage>\n<trainer.run_dir>\n<rollout.engine>", the config validated with the overrides the trainer
+  # gets and against its number of processes (a bad key or layout: one line, exit 2)
   local config="$1"; shift
   local which=(--index "$STAGE_INDEX")
   [ -n "${STAGE:-}" ] && which=(--stage "$STAGE")
   local dedicated=()
   [ "${ROLLOUT_PLACEMENT:-colocated}" = dedicated ] && dedicated=(--dedicated)
-  PYTHONPATH="$(mrl_home)${PYTHONPATH:+:$PYTHONPATH}" \
-    "$(mrl_python)" -m megatron_rl.tools.job_config --config "$config" "${which[@]}" "${dedicated[@]}" "$@"
+  local py errors out rc=0
+  py="$(mrl_python)"
+  [ -n "$py" ] || { mrl_fail "no python on PATH: set VENV to megatron-rl's virtualenv"; return 2; }
+  errors="$(mktemp)"
+  out="$(PYTHONPATH="$(mrl_home)${PYTHONPATH:+:$PYTHONPATH}" \
+    "$py" -m megatron_rl.tools.job_config --config "$config" "${which[@]}" "${dedicated[@]}" "$@" 2>"$errors")" || rc=$?
+  if [ "$rc" = 0 ]; then
+    echo "$out"
+  elif [ "$rc" = 2 ]; then  # its one line
+    cat "$errors" >&2
+  else  # not a python that can run megatron-rl (a missing dependency): one line, not its traceback
+    mrl_fail "$py cannot run megatron_rl.tools.job_config (set VENV to megatron-rl's virtualenv): $(tail -n 1 "$errors")"
+  fi
+  rm -f "$errors"
+  [ "$rc" = 0 ] || return 2
 }
 
 mrl_stage_finished() {  # mrl_stage_finished RUN_DIR STAGE: RUN_DIR/run_state.json lists STAGE as finished
@@ -84,6 +131,7 @@ EOF_PY
 
 mrl_main() {
   : "${STAGE_INDEX:?the stage script sets STAGE_INDEX}" "${DEFAULT_CONFIG:?the stage script sets DEFAULT_CONFIG}"
+  mrl_check_env || return 2
   local home submit config run_dir stage
   home="$(mrl_home)"
   submit="${SLURM_SUBMIT_DIR:-$PWD}"
@@ -94,14 +142,9 @@ mrl_main() {
   [ -n "${INIT_FROM:-}" ] && user_overrides+=("trainer.init_from=$INIT_FROM")
   # shellcheck disable=SC2206  # OVERRIDES is a space-separated list by design
   [ -n "${OVERRIDES:-}" ] && user_overrides+=(${OVERRIDES})
-  local from_config config_run_dir engine
-  from_config="$(mrl_job_config "$config" "${user_overrides[@]}")" || return 2
-  { read -r stage; read -r config_run_dir; read -r engine; } <<<"$from_config"
-  if [ -n "${RUN_DIR:-}" ]; then run_dir="$(mrl_abs "$RUN_DIR" "$submit")"
-  else run_dir="$(mrl_abs "$config_run_dir" "$home")"; fi
 
   # --- nodes: trainer hosts and (optionally) dedicated rollout hosts -----------------------------
-  local hosts=() train_hosts rollout_hosts=() n_rollout=0
+  local hosts=() train_hosts rollout_hosts=() n_rollout=0 split_error=""
   if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
     mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
   else
@@ -118,10 +161,11 @@ mrl_main() {
         n_rollout="${#rollout_hosts[@]}"
       else
         n_rollout="${ROLLOUT_NODES:-1}"
-        if [ "$n_rollout" -ge "${#hosts[@]}" ]; then
-          mrl_fail "ROLLOUT_NODES=$n_rollout leaves no trainer node out of ${#hosts[@]}"; return 2
+        if [ "$n_rollout" -ge "${#hosts[@]}" ]; then  # (said after the config's own check)
+          split_error="ROLLOUT_NODES=$n_rollout leaves no trainer node out of ${#hosts[@]}"; n_rollout=0
+        else
+          rollout_hosts=("${hosts[@]:$(( ${#hosts[@]} - n_rollout ))}")
         fi
-        rollout_hosts=("${hosts[@]:$(( ${#hosts[@]} - n_rollout ))}")
       fi ;;
     *) mrl_fail "ROLLOUT_PLACEMENT must be colocated or dedicated, got '$ROLLOUT_PLACEMENT'"; return 2 ;;
   esac
@@ -140,6 +184,22 @@ mrl_main() {
   export MASTER_ADDR="${MASTER_ADDR:-${train_hosts[0]}}"
   export MASTER_PORT="${MASTER_PORT:-$(( 20000 + ${SLURM_JOB_ID:-0} % 20000 ))}"
   local nproc="${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}"
+  [ "${LAUNCHER:-torchrun}" = direct ] && nproc=1
+  [ "$nproc" -ge 1 ] || nproc=1
+
+  # --- the config, validated with the trainer's overrides and its number of processes ---------------
+  local from_config config_run_dir engine world=()
+  # (the number of trainer processes is known in a job, or when NPROC_PER_NODE says it; a dry run
+  # outside Slurm guesses one node)
+  if [ -z "$split_error" ] && { [ -n "${SLURM_JOB_NODELIST:-}" ] || [ -n "${NPROC_PER_NODE:-}" ] ||
+                                 [ "${LAUNCHER:-torchrun}" = direct ]; }; then
+    world=(--world-size "$(( n_train * nproc ))" --world-from "$n_train trainer node(s) x $nproc process(es) per node")
+  fi
+  from_config="$(mrl_job_config "$config" "${world[@]}" "${user_overrides[@]}")" || return 2
+  { read -r stage; read -r config_run_dir; read -r engine; } <<<"$from_config"
+  [ -z "$split_error" ] || { mrl_fail "$split_error"; return 2; }
+  if [ -n "${RUN_DIR:-}" ]; then run_dir="$(mrl_abs "$RUN_DIR" "$submit")"
+  else run_dir="$(mrl_abs "$config_run_dir" "$home")"; fi
 
   # --- the trainer command ------------------------------------------------------------------------
   local common_args=(--config "$config" --run-dir "$run_dir")

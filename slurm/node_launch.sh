@@ -24,11 +24,28 @@
 # torchrun reports any worker failure as 1, so with torchrun a non-zero exit after a stop request
 # is reported as 99 (the batch script requeues only if a new checkpoint was really written).
 set -uo pipefail
+# shellcheck source=slurm/env_checks.sh
+source "$(dirname "${BASH_SOURCE[0]}")/env_checks.sh" || exit 2
+[ "$#" -gt 0 ] || { echo "megatron-rl: node_launch.sh: usage: node_launch.sh COMMAND... | node_launch.sh --engines" >&2; exit 2; }
+# Every variable this script reads, checked before any is used (one line, exit 2).
+mrl_need_venv
+mrl_need_dir MEGATRON_RL_HOME "checkout directory"
+mrl_need_choice LAUNCHER torchrun direct
+mrl_need_int MRL_STOP_BEFORE_END_S 0
+mrl_need_number RESEND_SECONDS
+mrl_need_int SLURM_JOB_ID 0
+mrl_need_words MRL_NODE_NAME
+if [ -n "${MRL_STOP_FILE:-}" ] && [ ! -d "$(dirname "$MRL_STOP_FILE")" ]; then
+  _mrl_refuse "MRL_STOP_FILE: its directory does not exist: $MRL_STOP_FILE"
+fi
+if [ -n "${MRL_ENGINE_ARGS:-}" ] && ! (eval "_words=($MRL_ENGINE_ARGS)") 2>/dev/null; then
+  _mrl_refuse "MRL_ENGINE_ARGS is not a list of shell words: $MRL_ENGINE_ARGS"
+fi
+mrl_env_ok || exit 2
 if [ -n "${VENV:-}" ]; then
   # shellcheck disable=SC1091
-  source "$VENV/bin/activate"
+  source "$VENV/bin/activate" || { echo "megatron-rl: VENV: $VENV/bin/activate failed" >&2; exit 2; }
 fi
-[ "$#" -gt 0 ] || { echo "megatron-rl: node_launch.sh: usage: node_launch.sh COMMAND... | node_launch.sh --engines" >&2; exit 2; }
 if [ -n "${MEGATRON_RL_HOME:-}" ]; then cd "$MEGATRON_RL_HOME" || exit 2; fi
 
 log() { echo "[node_launch ${MRL_NODE_NAME:-$(hostname -s)} $(date +%H:%M:%S)] $*" >&2; }

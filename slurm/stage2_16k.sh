@@ -25,6 +25,10 @@ here="${MEGATRON_RL_HOME:-}"
 if [ -z "$here" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
   here="$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *Command=\([^ ]*\).*/\1/p' | xargs dirname)/.."
 fi
+here="${here:-$(dirname "${BASH_SOURCE[0]}")/..}"
+if [ ! -f "$here/slurm/common.sh" ]; then
+  echo "megatron-rl: MEGATRON_RL_HOME: no megatron-rl checkout at '$here' (no slurm/common.sh in it)" >&2; exit 2
+fi
 # shellcheck source=slurm/common.sh
-source "${here:-$(dirname "${BASH_SOURCE[0]}")/..}/slurm/common.sh"
+source "$here/slurm/common.sh"
 mrl_main

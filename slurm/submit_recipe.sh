@@ -15,6 +15,34 @@
 # Prints one job id per line.
 set -euo pipefail
 home="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=slurm/env_checks.sh
+source "$home/slurm/env_checks.sh"
+# Every variable this script reads, checked before any is used (one line, exit 2); the jobs check theirs.
+mrl_need_choice SIZE 7b 32b || true
+mrl_need_dir CONFIG_DIR "config directory" || true
+mrl_need_int NODES 1 || true
+mrl_need_int GPUS_PER_NODE 1 || true
+mrl_need_choice EXCLUSIVE 0 1 || true
+mrl_need_int FIRST_STAGE 1 3 || true
+mrl_need_int LAST_STAGE 1 3 || true
+mrl_need_venv || true
+mrl_need_choice ROLLOUT_PLACEMENT colocated dedicated || true
+for name in MODEL_PATH INIT_FROM; do  # (a relative path is the trainer's to find, from the checkout)
+  case "${!name:-}" in /*) mrl_need_dir "$name" "directory" || true ;; esac
+done
+if [ -n "${RUN_DIR:-}" ] && [ -e "$RUN_DIR" ] && [ ! -d "$RUN_DIR" ]; then
+  _mrl_refuse "RUN_DIR: not a directory: $RUN_DIR"
+fi
+if [ -n "${TIME:-}" ] && ! [[ "$TIME" =~ ^[0-9]+(-[0-9]+)?(:[0-9]+){0,2}$ ]]; then
+  _mrl_refuse "TIME must be a Slurm time limit (minutes, [D-]HH:MM:SS, ...), got '$TIME'"
+fi
+if [ -n "${AFTER:-}" ] && ! [[ "$AFTER" =~ ^[0-9]+(:[0-9]+)*$ ]]; then
+  _mrl_refuse "AFTER must be Slurm job ids (123 or 123:456), got '$AFTER'"
+fi
+if [ "${FIRST_STAGE:-1}" -gt "${LAST_STAGE:-3}" ] 2>/dev/null; then
+  _mrl_refuse "FIRST_STAGE (${FIRST_STAGE:-1}) is after LAST_STAGE (${LAST_STAGE:-3}): nothing to submit"
+fi
+mrl_env_ok || exit 2
 size="${SIZE:-7b}"
 config_dir="${CONFIG_DIR:-configs/skywork_or1/$size}"
 case "$config_dir" in /*) ;; *) config_dir="$home/$config_dir" ;; esac
