@@ -33,6 +33,18 @@ def check_one_line(code: int, stdout: str, stderr: str, *expected: str) -> str:
     return lines[0]
 
 
+def run_all(cases: dict, cwd: Path, env: dict) -> dict:
+    """Every case ``name -> (command, extra environment, _)`` at once; name -> (exit status, stdout, stderr)."""
+    procs = {name: subprocess.Popen(cmd, cwd=cwd, env={**env, **extra}, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+             for name, (cmd, extra, _) in cases.items()}
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        out[name] = (proc.returncode, stdout, stderr)
+    return out
+
+
 def _launch(argv):
     from launch.run import main
 
@@ -103,15 +115,11 @@ def test_shell_entry_points(tmp_path):
                                         ("ROLLOUT_PLACEMENT must be colocated or dedicated",)),
         "node_launch.sh": (["bash", str(REPO / "slurm" / "node_launch.sh")], {}, ("node_launch.sh: usage",)),
     }
-    procs = {name: subprocess.Popen(cmd, cwd=tmp_path, env={**env, **extra}, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)
-             for name, (cmd, extra, _) in cases.items()}
     wrong = {}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
+    for name, (code, out, err) in run_all(cases, tmp_path, env).items():
         try:
             assert "sbatch was called" not in err
-            check_one_line(proc.returncode, out, err, *cases[name][2])
+            check_one_line(code, out, err, *cases[name][2])
         except AssertionError as exc:
             wrong[name] = f"{exc}"[:600]
     assert not wrong, f"{sorted(wrong)} {wrong}"

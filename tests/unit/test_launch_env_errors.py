@@ -11,28 +11,15 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.unit.test_entry_point_errors import DEMO, REPO, check_one_line
+from tests.unit.test_entry_point_errors import DEMO, REPO, check_one_line, run_all
 
 SLURM = REPO / "slurm"
 VENV = str(Path(sys.executable).parents[1])
-
-
-def _run_all(cases: dict, tmp_path: Path, base: dict) -> dict:
-    """Run every case at once; name -> (returncode, stdout, stderr)."""
-    procs = {name: subprocess.Popen(cmd, cwd=tmp_path, env={**base, **extra}, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)
-             for name, (cmd, extra, _) in cases.items()}
-    out = {}
-    for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=300)
-        out[name] = (proc.returncode, stdout, stderr)
-    return out
 
 
 def test_launch_scripts_check_every_variable_first(tmp_path):
@@ -97,7 +84,7 @@ def test_launch_scripts_check_every_variable_first(tmp_path):
         "CONFIG_DIR": (submit, {"CONFIG_DIR": str(tmp_path / "none")}, ("CONFIG_DIR: no such config directory",)),
         "submit VENV": (submit, {"VENV": str(tmp_path / "no_venv")}, ("VENV: no such virtualenv directory",)),
     }
-    results = _run_all(cases, tmp_path, base)
+    results = run_all(cases, tmp_path, base)
     wrong = {}
     for name, (code, out, err) in results.items():
         try:
