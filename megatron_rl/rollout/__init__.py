@@ -45,6 +45,7 @@ def connect_fleet(cfg: RolloutConfig, *, registry_dir: str | None = None, names:
         keys = [f"rollout.server_urls[{i}]" for i in range(len(cfg.server_urls))]
         check_distinct(cfg.server_urls, keys)
         servers = [VLLMServer(url, cfg, name=f"engine{i}") for i, url in enumerate(cfg.server_urls)]
+        whos = [s.url for s in servers]
         wait_healthy(servers, keys, cfg.start_timeout_s, "rollout.start_timeout_s")
     else:
         if not registry_dir:
@@ -54,16 +55,17 @@ def connect_fleet(cfg: RolloutConfig, *, registry_dir: str | None = None, names:
 
         registry = EngineRegistry(registry_dir)
         records = registry.wait(cfg.num_engines, names, cfg.start_timeout_s, ready=lambda rec: server_healthy(rec.url))
-        keys = [f"rollout.registry_dir (engine {r.name}, {registry.path(r.name)})" for r in records]
-        check_distinct([r.url for r in records], keys)
+        keys = ["rollout.registry_dir"] * len(records)
+        whos = [f"engine {r.name} at {r.url} ({registry.path(r.name)})" for r in records]
+        check_distinct([r.url for r in records], keys, whos)
         servers = [VLLMServer(r.url, cfg, name=r.name, workers=r.workers) for r in records]
 
         def locate(name: str) -> str | None:
             rec = registry.records().get(name)
             return rec.url if rec is not None else None
     try:
-        for key, server in zip(keys, servers):
-            check_server(server, key, max_model_len, model_path)
+        for key, who, server in zip(keys, whos, servers):
+            check_server(server, key, max_model_len, model_path, who)
     except BaseException:
         for server in servers:
             server.close()
@@ -71,16 +73,17 @@ def connect_fleet(cfg: RolloutConfig, *, registry_dir: str | None = None, names:
     return EngineFleet(servers, cfg, locate=locate)
 
 
-def check_distinct(urls: list[str], keys: list[str]) -> None:
-    """Refuse the same server listed twice (also two host names of one address)."""
+def check_distinct(urls: list[str], keys: list[str], whos: list[str] | None = None) -> None:
+    """Refuse the same server listed twice (also two host names of one address); ``whos`` name
+    them (default: the URLs and their keys)."""
     from megatron_rl.config.base import ConfigError
     from megatron_rl.rollout.addresses import same_resolved, same_servers
 
     pairs = same_servers(urls) or same_resolved(urls)
     if pairs:
         i, j = pairs[0]
-        raise ConfigError(keys[j].split(" ")[0], f"{urls[j]} is the same server as {urls[i]} ({keys[i]}): "
-                                                f"each server is counted once")
+        whos = whos or [f"{u} ({k})" for u, k in zip(urls, keys)]
+        raise ConfigError(keys[j], f"{whos[j]} is the same server as {whos[i]}: each server is counted once")
 
 
 def wait_healthy(servers: list, keys: list[str], timeout_s: float, timeout_key: str) -> None:
@@ -108,18 +111,20 @@ def wait_healthy(servers: list, keys: list[str], timeout_s: float, timeout_key: 
         time.sleep(1.0)
 
 
-def check_server(server, key: str, max_model_len: int | None = None, model_path: str | None = None) -> None:
+def check_server(server, key: str, max_model_len: int | None = None, model_path: str | None = None,
+                 who: str | None = None) -> None:
     """Connect ``server`` (a :class:`~megatron_rl.rollout.server.VLLMServer` that answered
-    ``/health``) after checking it is the vLLM server the run needs (see :func:`connect_fleet`)."""
+    ``/health``) after checking it is the vLLM server the run needs (see :func:`connect_fleet`);
+    ``key`` is the config key it comes from, ``who`` names it in a refusal (default: its URL)."""
     from megatron_rl.rollout.identity import check_model, check_service, policy_shape
 
     timeout = server.cfg.control_timeout_s
-    check_service(server.url, key, timeout)
+    check_service(server.url, key, timeout, who)
     server.connect()
     if max_model_len:
         server.require_model_len(max_model_len, key)
     if model_path:
-        check_model(server, key, policy_shape(model_path), model_path, timeout)
+        check_model(server, key, policy_shape(model_path), model_path, timeout, who)
 
 
 def group_stream(engine: RolloutEngine, streaming: bool):

@@ -51,9 +51,11 @@ def health_answer(url: str, timeout_s: float) -> tuple[bool, str]:
     return resp.status_code < 500, f"answered GET /health with {_said(resp)}"
 
 
-def check_service(url: str, key: str, timeout_s: float) -> None:
-    """Refuse a server that does not answer the routes the trainer drives (see the module doc)."""
+def check_service(url: str, key: str, timeout_s: float, who: str | None = None) -> None:
+    """Refuse a server that does not answer the routes the trainer drives (see the module doc);
+    ``who`` names it in the message (default: its URL)."""
     base = url.rstrip("/")
+    who = who or url
     try:
         models = httpx.get(f"{base}/v1/models", timeout=timeout_s)
         paused = httpx.get(f"{base}/is_paused", timeout=timeout_s)
@@ -66,13 +68,13 @@ def check_service(url: str, key: str, timeout_s: float) -> None:
         cards = None
     if not (isinstance(cards, list) and cards and all(isinstance(c, dict) and isinstance(c.get("id"), str)
                                                       for c in cards)):
-        raise ConfigError(key, f"{url} answered GET /v1/models with {_said(models)}: not a vLLM server "
+        raise ConfigError(key, f"{who} answered GET /v1/models with {_said(models)}: not a vLLM server "
                                f"(another service on that port, or the wrong port or path?)")
     if paused.status_code == 404:
-        raise ConfigError(key, f"{url} is a vLLM server without the RL routes (GET /is_paused: "
+        raise ConfigError(key, f"{who} is a vLLM server without the RL routes (GET /is_paused: "
                                f"{_said(paused)}): start it with VLLM_SERVER_DEV_MODE=1")
     if generate.status_code == 404:
-        raise ConfigError(key, f"{url} is a vLLM server without the token-in/token-out route "
+        raise ConfigError(key, f"{who} is a vLLM server without the token-in/token-out route "
                                f"(GET {GENERATE}: {_said(generate)}): start it with --enable-scale-out")
 
 
@@ -170,9 +172,10 @@ def _vllm_class(hf_architecture: str, served: str) -> bool:
     return entry is not None and entry[1] == served
 
 
-def check_model(server, key: str, policy: ModelShape, model_path: str, timeout_s: float) -> None:
+def check_model(server, key: str, policy: ModelShape, model_path: str, timeout_s: float,
+                who: str | None = None) -> None:
     """Refuse a server whose model is not the policy's (``server``: a connected
-    :class:`~megatron_rl.rollout.server.VLLMServer`)."""
+    :class:`~megatron_rl.rollout.server.VLLMServer`; ``who`` names it, default its URL)."""
     from megatron_rl.rollout.base import EngineError
 
     try:
@@ -184,5 +187,5 @@ def check_model(server, key: str, policy: ModelShape, model_path: str, timeout_s
     served = inspected_shape(text[0])
     wrong = served.differences(policy, same_architecture=_vllm_class)
     if wrong:
-        raise ConfigError(key, f"{server.url} serves another model than the policy's ({model_path}): "
+        raise ConfigError(key, f"{who or server.url} serves another model than the policy's ({model_path}): "
                                f"{', '.join(wrong)}; its model: {server.model}")

@@ -265,6 +265,40 @@ def test_fleet_samples_exactly_what_one_server_samples(fleet_env):
         connect_fleet(_cfg(), registry_dir=fleet_env["registry"], names=NAMES, max_model_len=MAX_MODEL_LEN + 1)
 
 
+def test_fleet_refuses_servers_it_cannot_drive_naming_key_url_and_what_is_wrong(fleet_env, tmp_path):
+    """Issue 27 on real servers: the policy's own model connects (what vLLM says it built agrees
+    with config.json); servers of another model (architecture, vocabulary, sizes) are refused at
+    connection, external or registered; a real server's 404 (its host and port, a wrong path) is
+    refused at once saying what it answered."""
+    from megatron_rl.rollout.identity import inspected_shape, policy_shape
+
+    urls = [EngineRegistry(fleet_env["registry"]).records()[n].url for n in NAMES]
+    one = _one_server(fleet_env)
+    try:
+        text = one.collective_rpc("get_model_inspection")[0]
+    finally:
+        one.close()
+    assert inspected_shape(text) == policy_shape(fleet_env["model"]), text
+    connect_fleet(_cfg(), registry_dir=fleet_env["registry"], names=NAMES, model_path=fleet_env["model"]).close()
+    other = write_tiny_model(tmp_path / "other", TinySpec(arch="qwen3", hidden_size=32, intermediate_size=64,
+                                                          num_layers=3, num_heads=1, num_kv_heads=1))
+    with pytest.raises(ConfigError) as e:
+        connect_fleet(_cfg(placement="external", server_urls=urls[1:], num_engines=2), model_path=str(other))
+    msg = str(e.value)
+    assert e.value.key == "rollout.server_urls[0]" and urls[1] in msg and str(other) in msg, msg
+    vocab = policy_shape(fleet_env["model"]).vocab_size
+    for wrong in ("architecture LlamaForCausalLM (policy: Qwen3ForCausalLM)", "hidden_size 64 (policy: 32)",
+                  "num_hidden_layers 2 (policy: 3)", f"vocab_size {vocab} (policy: {policy_shape(other).vocab_size})"):
+        assert wrong in msg, (wrong, msg)
+    with pytest.raises(ConfigError, match=r"'rollout\.registry_dir': engine h2-0 at http.*h2-0\.json\) serves another model"):
+        connect_fleet(_cfg(), registry_dir=fleet_env["registry"], names=NAMES, model_path=str(other))
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError) as e:
+        connect_fleet(_cfg(placement="external", server_urls=[urls[0] + "/v1"], num_engines=1))
+    assert time.monotonic() - t0 < 20 and e.value.key == "rollout.server_urls[0]"
+    assert "answered GET /health with HTTP 404" in str(e.value) and "not a vLLM server" in str(e.value)
+
+
 def test_fleet_kill9_mid_generation_requeues_with_the_same_samples(fleet_env):
     servers = fleet_env["servers"]
     one = _one_server(fleet_env)

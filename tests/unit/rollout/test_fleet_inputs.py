@@ -68,7 +68,8 @@ def test_fleet_the_same_server_by_name_and_by_address_is_refused_at_connection()
     keys = [f"rollout.server_urls[{i}]" for i in range(3)]
     with pytest.raises(ConfigError) as e:
         check_distinct(urls, keys)
-    assert e.value.key == "rollout.server_urls[2]" and f"same server as http://{host}:8123" in str(e.value)
+    assert e.value.key == "rollout.server_urls[2]" and f"same server as http://{host}:8123 (rollout.server_urls[0])" \
+        in str(e.value), str(e.value)
     check_distinct(urls[:2], keys[:2])
 
 
