@@ -17,7 +17,8 @@
 #      checkpoint of the stage was written, the job runs `scontrol requeue $SLURM_JOB_ID`, and the
 #      requeued job resumes from that checkpoint.
 #
-# Settings (environment; all optional):
+# Settings (environment; all optional; each checked for its type before any is used: mrl_check_env,
+# slurm/env_checks.sh; one that cannot work is one line, `megatron-rl: NAME ...`, exit 2):
 #   CONFIG            recipe config (default: the stage script's; relative paths: to the checkout)
 #   STAGE             stage name to run (default: the STAGE_INDEX-th entry of the config's stages)
 #   RUN_DIR           run directory shared by the stages (default: the config's trainer.run_dir,

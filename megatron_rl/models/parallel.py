@@ -21,9 +21,11 @@ threads) and builds new ones (so a test can build several policies in one proces
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
+import sys
 import tempfile
 
 import torch
@@ -40,6 +42,30 @@ _GENERATION = {"value": 0, "layout": None}
 # threads (3 per group) until it is destroyed, so re-initialising leaked ~50 threads per layout on
 # one rank and ~950 per rank in a torchrun that builds ~30 layouts.
 _CREATED_GROUPS: list = []
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the trainer's ranks failed or ran out of time; the message names which one,
+    where it was called, and the timeout it waited."""
+
+
+@contextlib.contextmanager
+def named_collective(what: str, timeout_s: float, depth: int = 2):
+    """Run a collective so that its failure names what it waited for: ``what`` and the caller
+    ``depth`` frames up (its function, file and line), the rank, and ``timeout_s`` (torch's own
+    message names none of them)."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:  # torch's DistBackendError / DistNetworkError, gloo's timeouts
+        frame = sys._getframe(depth)
+        where = f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise CollectiveError(f"rank {rank}: {what} in {where} failed: {first} (every rank must reach it; it "
+                              f"waits at most policy.parallel.timeout_s={timeout_s:g}s: another rank died, hung, "
+                              f"or waits in another collective)") from exc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +115,12 @@ class ParallelGroups:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
-    def barrier(self) -> None:
-        """Wait for every rank of the world (a no-op in a one-rank world)."""
+    def barrier(self, what: str = "a barrier of every rank") -> None:
+        """Wait for every rank of the world (a no-op in a one-rank world); a failure or a timeout
+        names ``what`` and the caller (:func:`named_collective`)."""
         if self.world_size > 1:
-            dist.barrier()
+            with named_collective(what, self.timeout_s, depth=3):
+                dist.barrier()
 
     def check_current(self) -> None:
         """Raise if Megatron's groups were rebuilt for another layout since these were made."""
@@ -273,5 +301,5 @@ def destroy_distributed() -> None:
     _GENERATION["layout"] = None
 
 
-__all__ = ["ConfigError", "ModelShape", "ParallelGroups", "check_layout", "chunk_ends",
+__all__ = ["CollectiveError", "ConfigError", "ModelShape", "named_collective", "ParallelGroups", "check_layout", "chunk_ends",
            "destroy_distributed", "init_distributed", "rng_tracker_states", "set_rng_tracker_states"]

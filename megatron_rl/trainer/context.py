@@ -16,7 +16,7 @@ import torch
 
 from megatron_rl.algo import EntropyController
 from megatron_rl.common.errors import InputError
-from megatron_rl.models.parallel import ParallelGroups
+from megatron_rl.models.parallel import ParallelGroups, named_collective
 from megatron_rl.trainer.state import RunDir
 from megatron_rl.trainer.stop import StopRequest
 
@@ -83,12 +83,13 @@ class Context:
             self.engine.wake_up()
             self.engines_asleep = False
 
-    def broadcast(self, obj):
-        """Rank 0's ``obj`` on every trainer rank."""
+    def broadcast(self, obj, what: str = "a broadcast from rank 0"):
+        """Rank 0's ``obj`` on every trainer rank (a failure or timeout names ``what`` and the caller)."""
         if self.groups.world_size == 1:
             return obj
         box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
+        with named_collective(what, self.groups.timeout_s, depth=3):
+            torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
     def stop_agreed(self) -> bool:
@@ -96,7 +97,8 @@ class Context:
         if self.groups.world_size == 1:
             return self.stop.requested
         flag = torch.tensor([1.0 if self.stop.requested else 0.0])
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        with named_collective("the ranks' vote on a stop request", self.groups.timeout_s, depth=3):
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
 
 
@@ -132,7 +134,8 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
             problem = exc
     if groups.world_size > 1:  # every rank stops with the driver's error, none waits for it
         box = [None if problem is None else str(problem)]
-        torch.distributed.broadcast_object_list(box, src=0)
+        with named_collective("rank 0's start-up checks (data, run directory, external servers)", groups.timeout_s):
+            torch.distributed.broadcast_object_list(box, src=0)
         if box[0] is not None and problem is None:
             problem = InputError(box[0])
     if problem is not None:

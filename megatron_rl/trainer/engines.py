@@ -131,8 +131,11 @@ def expected_engines(cfg: RunConfig, groups: ParallelGroups) -> list[str] | None
         if groups.world_size > 1:
             import torch.distributed as dist
 
+            from megatron_rl.models.parallel import named_collective
+
             nodes = [None] * groups.world_size
-            dist.all_gather_object(nodes, local)
+            with named_collective("every node's name (the engines rank 0 waits for)", groups.timeout_s):
+                dist.all_gather_object(nodes, local)
         hosts = list(dict.fromkeys(n for n in nodes if n))
     elif r.placement == "dedicated":
         hosts = list(r.hosts)

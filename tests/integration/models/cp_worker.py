@@ -94,6 +94,30 @@ def run_checkpoint(out, hf_dir, ckpt_root):
                               "b_step2": _export(b)})
 
 
+def run_collective_timeout(out: Path) -> None:
+    """A collective that one rank never reaches (issue 27: no wait without a timeout naming what it
+    waited for): rank 0 waits for a broadcast rank 1 skips, on a group with a 2 s timeout; the wait
+    ends there with an error naming it (``models.parallel.named_collective``), saved for the test."""
+    import datetime
+    import json
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_rl.models.parallel import CollectiveError, named_collective
+
+    group = dist.new_group(ranks=[0, 1], timeout=datetime.timedelta(seconds=2))
+    if dist.get_rank() == 0:
+        t0, message = time.time(), None
+        try:
+            with named_collective("the test's broadcast that rank 1 skips", 2.0):
+                dist.broadcast_object_list([None], src=1, group=group)
+        except CollectiveError as exc:
+            message = str(exc)
+        (out / "collective_timeout.json").write_text(json.dumps({"message": message, "seconds": time.time() - t0}))
+    dist.destroy_process_group(group)
+
+
 def cases(out: Path, hf_root: Path) -> dict:
     """Every case of this worker, by name (results under ``out``)."""
     llama, qwen2, qwen3 = hf_root / "llama", hf_root / "qwen2", hf_root / "qwen3"
@@ -121,6 +145,7 @@ def cases(out: Path, hf_root: Path) -> dict:
         "qwen3_cp1": lambda: run_layout(out, qwen3, "qwen3_cp1"),
         "qwen3_cp2_tp2": lambda: run_layout(out, qwen3, "qwen3_cp2_tp2", cp=2, tp=2),
         "checkpoint": lambda: run_checkpoint(out, llama, out / "ckpt"),
+        "collective_timeout": lambda: run_collective_timeout(out),
     }
 
 

@@ -120,3 +120,15 @@ def test_context_parallel_checkpoint_loads_at_cp1(run):
     # the optimizer state came along: the next step agrees across layouts
     assert _max_weight_diff(ck["a_step2"], ck["b_step2"]) < 1e-6
     assert _max_weight_diff(ck["a_step2"], ck["step1"]) > 5e-4
+
+
+def test_no_hang_a_collective_one_rank_skips_ends_at_its_timeout_naming_it(run, parallel_run):
+    """Rank 0 waited for a broadcast rank 1 never joined (a 2 s group timeout): the wait ended with
+    an error naming the collective, where it was called and the timeout, not a hang."""
+    import json
+
+    got = json.loads((parallel_run["out"] / "cp" / "collective_timeout.json").read_text())
+    msg = got["message"]
+    assert msg and got["seconds"] < 30, got
+    assert msg.startswith("rank 0: the test's broadcast that rank 1 skips in run_collective_timeout (cp_worker.py:")
+    assert "policy.parallel.timeout_s=2s" in msg and "another rank died, hung, or waits in another collective" in msg
