@@ -114,6 +114,7 @@ def _engines(config: str, run_dir: str | None, node: str | None, host: str | Non
     if cfg.rollout.engine != "vllm_server":
         raise InputError(f"engines: the config runs rollout.engine={cfg.rollout.engine!r} (in the "
                          "trainer's process); nothing to launch")
+    check_engine_node(node, host, count)
     model_path = cfg.model.path or str(tiny_model_dir(cfg.trainer.run_dir))
     deadline = time.monotonic() + cfg.rollout.start_timeout_s
     # the demo's tiny model is written by the trainer's rank 0; tiny_spec.json is its last file
@@ -135,6 +136,25 @@ def _engines(config: str, run_dir: str | None, node: str | None, host: str | Non
     finally:
         launcher.stop()
     return 0
+
+
+def check_engine_node(node: str | None, host: str | None, count: int | None) -> None:
+    """``megatron-rl engines``' own inputs: the node's name names its engines' registry files (and
+    the trainer expects it), the host is bound to, the count starts that many servers."""
+    import re
+
+    from megatron_rl.common.errors import InputError
+    from megatron_rl.trainer.engines import NODE_HOST_ENV, NODE_NAME_ENV, node_host, node_name
+
+    if count is not None and count < 1:
+        raise InputError(f"engines: --count must be >= 1, got {count}")
+    name = node or node_name()
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise InputError(f"engines: the node name {name!r} (--node-name, else ${NODE_NAME_ENV}) must be letters, "
+                         f"digits, '.', '_' or '-' (it names the engines' registry files)")
+    address = host or node_host()
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:-]*", address):
+        raise InputError(f"engines: the host {address!r} (--host, else ${NODE_HOST_ENV}) is no host name or address")
 
 
 # Exit code of a run stopped by trainer.max_steps_without_update (2: a config error, 99: requeue).

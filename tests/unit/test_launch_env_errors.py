@@ -147,3 +147,20 @@ def test_launch_run_checks_the_layout_before_it_prints(capsys, monkeypatch, tmp_
     out, err = capsys.readouterr()
     check_one_line(code, out, err, *says)
     assert "#SBATCH" not in out and out.strip() == ""
+
+
+@pytest.mark.parametrize("argv,env,says", [
+    (["--count", "0"], {}, "engines: --count must be >= 1, got 0"),
+    (["--node-name", "../n1"], {}, "the node name '../n1' (--node-name, else $MRL_NODE_NAME)"),
+    ([], {"MRL_NODE_NAME": "n 1"}, "the node name 'n 1'"),
+    (["--host", "a b"], {}, "the host 'a b' (--host, else $MRL_NODE_HOST)"),
+])
+def test_launch_the_node_launcher_checks_its_own_inputs(capsys, monkeypatch, argv, env, says):
+    """`megatron-rl engines` (each node's launcher of vLLM servers): one line, exit 2, nothing started."""
+    from megatron_rl.cli import main
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    code = main(["engines", "--config", DEMO, "rollout.engine=vllm_server", "sync.transport=gloo", *argv])
+    out, err = capsys.readouterr()
+    check_one_line(code, out, err, says)
