@@ -132,14 +132,7 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
             check_external_servers(cfg, model_path)
         except InputError as exc:
             problem = exc
-    if groups.world_size > 1:  # every rank stops with the driver's error, none waits for it
-        box = [None if problem is None else str(problem)]
-        with named_collective("rank 0's start-up checks (data, run directory, external servers)", groups.timeout_s):
-            torch.distributed.broadcast_object_list(box, src=0)
-        if box[0] is not None and problem is None:
-            problem = InputError(box[0])
-    if problem is not None:
-        raise problem
+    raise_agreed(problem, groups, "rank 0's start-up checks (data, run directory, external servers)")
     launcher = start_colocated(cfg, model_path)  # servers boot while the policy builds
     policy = MegatronPolicy.from_hf(model_path, cfg.policy, groups)
     ctx = Context(cfg=cfg, run=run, groups=groups, policy=policy, tokenizer=tokenizer, model_path=model_path,
@@ -151,8 +144,14 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
         launcher.supervise_in_background()  # a server that dies is restarted, then re-admitted
     ctx.sleep_while_training = (cfg.rollout.engine == "vllm_server" and cfg.rollout.placement == "colocated"
                                 and torch.cuda.is_available())
+    problem = None
     if ctx.is_driver:
-        ctx.engine = build_engine(cfg, model_path, names)
+        try:
+            ctx.engine = build_engine(cfg, model_path, names)
+        except Exception as exc:  # noqa: BLE001  (re-raised on every rank, here as it is)
+            problem = exc
+    raise_agreed(problem, groups, "rank 0's connection to the rollout engines")
+    if ctx.is_driver:
         ctx.reward_mgr = RewardManager(cfg.reward)
         run_state = run.read_run_state()
         ctx.tracker = Tracker(cfg.tracking, run.root, cfg.to_dict(), wandb_run_id=run_state.get("wandb_run_id"))
@@ -163,6 +162,22 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
                                         metadata=policy.export_hf_metadata())
     ctx.weight_sync.connect()
     return ctx
+
+
+def raise_agreed(problem: Exception | None, groups: ParallelGroups, what: str) -> None:
+    """Rank 0's ``problem`` (None: none) raised on every trainer rank, so that none waits for a
+    driver that stopped: an :class:`InputError` as one (each rank prints its line), anything else as
+    a RuntimeError naming ``what`` rank 0 was doing; rank 0 raises its own."""
+    if groups.world_size > 1:
+        said = None if problem is None else (isinstance(problem, InputError), str(problem))
+        box = [said]
+        with named_collective(what, groups.timeout_s, depth=3):
+            torch.distributed.broadcast_object_list(box, src=0)
+        if box[0] is not None and problem is None:
+            user, message = box[0]
+            problem = InputError(message) if user else RuntimeError(f"rank 0 failed in {what}: {message}")
+    if problem is not None:
+        raise problem
 
 
 def load_run_data(cfg: RunConfig, tokenizer, max_positions: int | None = None

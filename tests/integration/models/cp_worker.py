@@ -116,6 +116,20 @@ def run_collective_timeout(out: Path) -> None:
             message = str(exc)
         (out / "collective_timeout.json").write_text(json.dumps({"message": message, "seconds": time.time() - t0}))
     dist.destroy_process_group(group)
+    # rank 0's input error reaches every rank (none waits for a driver that stopped)
+    from types import SimpleNamespace
+
+    from megatron_rl.common.errors import InputError
+    from megatron_rl.trainer.context import raise_agreed
+
+    rank = dist.get_rank()
+    try:
+        raise_agreed(InputError("rank 0's planted input error") if rank == 0 else None,
+                     SimpleNamespace(world_size=dist.get_world_size(), timeout_s=30.0), "the test's start-up check")
+        said = "nothing raised"
+    except InputError as exc:
+        said = f"InputError: {exc}"
+    (out / f"agreed_rank{rank}.txt").write_text(said)
 
 
 def cases(out: Path, hf_root: Path) -> dict:

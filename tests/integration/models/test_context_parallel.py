@@ -132,3 +132,6 @@ def test_no_hang_a_collective_one_rank_skips_ends_at_its_timeout_naming_it(run, 
     assert msg and got["seconds"] < 30, got
     assert msg.startswith("rank 0: the test's broadcast that rank 1 skips in run_collective_timeout (cp_worker.py:")
     assert "policy.parallel.timeout_s=2s" in msg and "another rank died, hung, or waits in another collective" in msg
+    # ... and rank 0's input error is raised on every rank (trainer.context.raise_agreed)
+    said = {f.name: f.read_text() for f in (parallel_run["out"] / "cp").glob("agreed_rank*.txt")}
+    assert len(said) == 4 and set(said.values()) == {"InputError: rank 0's planted input error"}, said
