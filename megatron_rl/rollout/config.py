@@ -80,10 +80,12 @@ class RolloutConfig(ConfigBase):
     num_engines: int = ranged(1, ge=0)
     # vllm_server (colocated / dedicated): engines each node's launcher starts.
     engines_per_node: int = ranged(1, ge=1)
-    # vllm_server, external: base URLs of the servers (e.g. ["http://10.0.0.5:8000"]).
+    # vllm_server, external: base URLs of the servers (e.g. ["http://10.0.0.5:8000"]), each server once
+    # (however spelled: localhost / 127.0.0.1, default ports, a trailing slash, a host name and its
+    # address). At connection each must be a vLLM server with the RL routes serving the policy's model.
     server_urls: list[str] = field(default_factory=list)
-    # vllm_server, dedicated: the hosts that run engines (set by the sbatch scripts); the trainer
-    # then names the engines that did not come up. Empty: only their number is checked.
+    # vllm_server, dedicated: the hosts that run engines (set by the sbatch scripts), each once; the
+    # trainer then names the engines that did not come up. Empty: only their number is checked.
     hosts: list[str] = field(default_factory=list)
     # vllm_server: directory where launched engines register (host, port, model, version); empty:
     # RUN_DIR/engines.
