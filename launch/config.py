@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,6 +93,11 @@ class LaunchConfig(ConfigBase):
                 self.fail("overrides", f"each override looks like key.sub=value, got {o!r}")
         if not self.config_path().is_file():
             self.fail("config", f"file not found: {self.config_path()}")
+        if not re.fullmatch(r"\d+(-\d+)?(:\d+){0,2}|unlimited|infinite", self.time, flags=re.IGNORECASE):
+            self.fail("time", f"must be a Slurm time limit (minutes, [D-]HH:MM:SS, ...), got {self.time!r}")
+        if self.venv and not self.container_image and not (Path(self.venv) / "bin" / "activate").is_file():
+            # (in a container the image holds it; otherwise the nodes see this file system)
+            self.fail("venv", f"no virtualenv at {self.venv!r} (no bin/activate in it)")
 
     # --- derived values --------------------------------------------------------------------------
     def config_path(self) -> Path:

@@ -33,7 +33,7 @@ done
 if [ -n "${RUN_DIR:-}" ] && [ -e "$RUN_DIR" ] && [ ! -d "$RUN_DIR" ]; then
   _mrl_refuse "RUN_DIR: not a directory: $RUN_DIR"
 fi
-if [ -n "${TIME:-}" ] && ! [[ "$TIME" =~ ^[0-9]+(-[0-9]+)?(:[0-9]+){0,2}$ ]]; then
+if [ -n "${TIME:-}" ] && ! [[ "$TIME" =~ ^([0-9]+(-[0-9]+)?(:[0-9]+){0,2}|UNLIMITED|unlimited|INFINITE|infinite)$ ]]; then
   _mrl_refuse "TIME must be a Slurm time limit (minutes, [D-]HH:MM:SS, ...), got '$TIME'"
 fi
 if [ -n "${AFTER:-}" ] && ! [[ "$AFTER" =~ ^[0-9]+(:[0-9]+)*$ ]]; then

@@ -138,6 +138,10 @@ def test_launch_scripts_every_variable_read_is_checked(script):
      ("'policy.parallel.context_parallel'", "rollout.engine='vllm'")),
     (["--stage", "1", "--executor", "local", "--dry-run", "--config", DEMO, "--nproc-per-node", "2"],
      ("'rollout.engine'", "--nodes (1) x --nproc-per-node (2)=2")),
+    (["--stage", "1", "--executor", "slurm", "--dry-run", "--nodes", "4", "--time", "two days"],
+     ("'time'", "must be a Slurm time limit", "'two days'")),
+    (["--stage", "1", "--executor", "slurm", "--dry-run", "--nodes", "4", "--venv", "/no/venv"],
+     ("'venv'", "no virtualenv at '/no/venv'")),
 ])
 def test_launch_run_checks_the_layout_before_it_prints(capsys, monkeypatch, tmp_path, argv, says):
     from launch.run import main
