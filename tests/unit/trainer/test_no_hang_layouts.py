@@ -63,3 +63,22 @@ def test_no_hang_the_demo_under_torchrun_says_why_in_one_line(capsys, monkeypatc
     out, err = capsys.readouterr()
     check_one_line(code, out, err, *says)
     assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_no_hang_a_failed_collective_names_what_it_waited_for():
+    """The wrapper every trainer-level collective goes through (the real gloo timeout on 4 ranks:
+    tests/integration/models/test_context_parallel.py)."""
+    from megatron_rl.models.parallel import CollectiveError, named_collective
+
+    def broadcast_the_batch():
+        with named_collective("the step's batch", 42.0):
+            raise RuntimeError("[gloo] Timed out waiting 42000ms for recv operation to complete\nsecond line")
+
+    with pytest.raises(CollectiveError) as e:
+        broadcast_the_batch()
+    assert str(e.value).startswith("rank 0: the step's batch in broadcast_the_batch (test_no_hang_layouts.py:")
+    assert "Timed out waiting 42000ms" in str(e.value) and "second line" not in str(e.value)
+    assert "policy.parallel.timeout_s=42s" in str(e.value)
+    with pytest.raises(ValueError):  # not a collective's failure: as it is
+        with named_collective("x", 1.0):
+            raise ValueError("a bug")
