@@ -12,6 +12,7 @@
 #   mrl_need_venv                     VENV, when set, is a virtualenv (bin/activate, bin/python)
 #   mrl_need_words NAME               NAME, when set, holds no characters a host list cannot
 #   mrl_env_ok                        0 when no check above failed since the last call (then resets)
+# An empty variable counts as unset (its default applies), as the scripts read them.
 
 _mrl_env_bad=0
 
@@ -22,7 +23,7 @@ _mrl_refuse() {  # one line; only the first refusal is printed (one line per run
 
 mrl_need_int() {
   local name="$1" min="$2" max="${3:-}" value
-  [ -n "${!name+x}" ] || return 0
+  [ -n "${!name:-}" ] || return 0
   value="${!name}"
   if ! [[ "$value" =~ ^[0-9]+$ ]] || [ "${#value}" -gt 12 ]; then
     _mrl_refuse "$name must be a whole number >= $min${max:+ and <= $max}, got '$value'"; return 1
@@ -34,7 +35,7 @@ mrl_need_int() {
 
 mrl_need_number() {
   local name="$1" value
-  [ -n "${!name+x}" ] || return 0
+  [ -n "${!name:-}" ] || return 0
   value="${!name}"
   if ! [[ "$value" =~ ^[0-9]+([.][0-9]+)?$ ]] || [[ "$value" =~ ^0+([.]0+)?$ ]]; then
     _mrl_refuse "$name must be a number > 0 (seconds), got '$value'"; return 1
@@ -44,7 +45,7 @@ mrl_need_number() {
 mrl_need_choice() {
   local name="$1" value c
   shift
-  [ -n "${!name+x}" ] || return 0
+  [ -n "${!name:-}" ] || return 0
   value="${!name}"
   for c in "$@"; do [ "$value" = "$c" ] && return 0; done
   _mrl_refuse "$name must be $(printf '%s or ' "$@" | sed 's/ or $//'), got '$value'"; return 1
@@ -52,14 +53,14 @@ mrl_need_choice() {
 
 mrl_need_dir() {
   local name="$1" what="${2:-directory}" value
-  [ -n "${!name+x}" ] && [ -n "${!name}" ] || return 0
+  [ -n "${!name:-}" ] || return 0
   value="${!name}"
   [ -d "$value" ] || { _mrl_refuse "$name: no such $what: $value"; return 1; }
 }
 
 mrl_need_file() {
   local name="$1" value
-  [ -n "${!name+x}" ] && [ -n "${!name}" ] || return 0
+  [ -n "${!name:-}" ] || return 0
   value="${!name}"
   [ -f "$value" ] || { _mrl_refuse "$name: no such file: $value"; return 1; }
 }
@@ -74,7 +75,7 @@ mrl_need_venv() {
 
 mrl_need_words() {
   local name="$1" value
-  [ -n "${!name+x}" ] || return 0
+  [ -n "${!name:-}" ] || return 0
   value="${!name}"
   if [ -z "${value//[, ]/}" ] || [[ "$value" =~ [^A-Za-z0-9.,_\ -] ]]; then
     _mrl_refuse "$name must be host names separated by commas or spaces, got '$value'"; return 1
