@@ -91,16 +91,13 @@ def wait_healthy(servers: list, keys: list[str], timeout_s: float, timeout_key: 
     starting vLLM server is refused at once, one that stays silent at the deadline, each with what it
     answered."""
     from megatron_rl.config.base import ConfigError
-    from megatron_rl.rollout.identity import health_answer
+    from megatron_rl.rollout.identity import health_or_refuse
 
     deadline = time.monotonic() + timeout_s
     while True:
         last = {}
         for key, server in zip(keys, servers):
-            final, what = health_answer(server.url, min(5.0, server.cfg.control_timeout_s))
-            if final:
-                raise ConfigError(key, f"{server.url} {what}: not a vLLM server (another service on that port, "
-                                       f"or the wrong port or path?)")
+            what = health_or_refuse(server.url, key, min(5.0, server.cfg.control_timeout_s))
             if what:
                 last[key] = f"{server.url}: {what}"
         if not last:

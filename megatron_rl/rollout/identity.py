@@ -51,6 +51,16 @@ def health_answer(url: str, timeout_s: float) -> tuple[bool, str]:
     return resp.status_code < 500, f"answered GET /health with {_said(resp)}"
 
 
+def health_or_refuse(url: str, key: str, timeout_s: float) -> str:
+    """``""`` when the server at ``url`` is healthy, what went wrong when it may still be starting;
+    a service that is no vLLM server is refused (:class:`ConfigError` naming ``key``)."""
+    final, what = health_answer(url, timeout_s)
+    if final:
+        raise ConfigError(key, f"{url} {what}: not a vLLM server (another service on that port, or the wrong "
+                               f"port or path?)")
+    return what
+
+
 def check_service(url: str, key: str, timeout_s: float, who: str | None = None) -> None:
     """Refuse a server that does not answer the routes the trainer drives (see the module doc);
     ``who`` names it in the message (default: its URL)."""

@@ -57,25 +57,18 @@ def check_external_servers(cfg: RunConfig, model_path: str | None = None, timeou
     vLLM servers the run needs (the routes it drives, the policy's model at ``model_path``, the run's
     longest prompt + response), checked before anything is built; one not up yet is checked when
     the fleet connects."""
-    from megatron_rl.rollout import EngineError, check_server
-    from megatron_rl.rollout.identity import health_answer
+    from megatron_rl.rollout import EngineError, check_distinct, check_server
+    from megatron_rl.rollout.identity import health_or_refuse
     from megatron_rl.rollout.server import VLLMServer
 
     r = cfg.rollout
     if r.engine != "vllm_server" or r.placement != "external":
         return
-    from megatron_rl.config.base import ConfigError
-    from megatron_rl.rollout import check_distinct
-
     keys = [f"rollout.server_urls[{i}]" for i in range(len(r.server_urls))]
     check_distinct(r.server_urls, keys)
     need = max_sequence_len(cfg)
     for key, url in zip(keys, r.server_urls):
-        final, what = health_answer(url, timeout)
-        if final:
-            raise ConfigError(key, f"{url} {what}: not a vLLM server (another service on that port, or the "
-                                   f"wrong port or path?)")
-        if what:
+        if health_or_refuse(url, key, timeout):
             continue  # not up yet
         server = VLLMServer(url, r, name=key)
         try:
