@@ -197,3 +197,20 @@ def test_fleet_model_shapes_from_an_inspection_and_a_config(tiny_llama):
     assert inspected_shape(text).differences(policy) == [
         f"architecture Qwen2ForCausalLM (policy: {policy.architecture})", f"vocab_size 500 (policy: {policy.vocab_size})",
         f"hidden_size 96 (policy: {policy.hidden_size})", f"num_hidden_layers 5 (policy: {policy.num_layers})"]
+
+
+def test_fleet_the_trainers_early_check_refuses_another_service_before_anything_is_built():
+    """trainer.engines.check_external_servers (rank 0, before the policy is built): the same refusal."""
+    from megatron_rl.trainer.engines import check_external_servers
+    from megatron_rl.trainer.schema import load_run_config
+    from tests.unit.test_entry_point_errors import DEMO
+
+    other = _Service({"/health": (404, "<html>nginx</html>")})
+    try:
+        cfg = load_run_config(DEMO, ["rollout.engine=vllm_server", "rollout.placement=external", "sync.transport=gloo",
+                                     f"rollout.server_urls=[http://127.0.0.1:9, {other.url}]"])
+        with pytest.raises(ConfigError) as e:
+            check_external_servers(cfg)
+        assert e.value.key == "rollout.server_urls[1]" and "HTTP 404 '<html>nginx</html>'" in str(e.value)
+    finally:
+        other.close()
