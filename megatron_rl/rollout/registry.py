@@ -90,10 +90,14 @@ class EngineRegistry:
         return self.dir / f"{name}.json"
 
     def register(self, record: EngineRecord) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.dir / f".{record.name}.json.tmp"
-        tmp.write_text(record.to_json())
-        os.replace(tmp, self.path(record.name))  # atomic: readers never see half a record
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(record.to_json())
+            os.replace(tmp, self.path(record.name))  # atomic: readers never see half a record
+        except OSError as exc:  # a file where the directory goes, no permission, a full disk
+            raise ConfigError("rollout.registry_dir", f"cannot register engine {record.name} in {self.dir}: "
+                                                      f"{exc.strerror or exc}") from None
 
     def unregister(self, name: str) -> None:
         self.path(name).unlink(missing_ok=True)
@@ -131,6 +135,8 @@ class EngineRegistry:
              poll_s: float = 0.5) -> list[EngineRecord]:
         """The ``count`` engines (exactly ``names`` when given), once each is registered and
         ``ready(record)``; raises :class:`EngineError` after ``timeout_s`` naming what is missing."""
+        if self.dir.exists() and not self.dir.is_dir():
+            raise ConfigError("rollout.registry_dir", f"{self.dir} is not a directory (the engines register there)")
         deadline = time.monotonic() + timeout_s
         ok: dict[str, EngineRecord] = {}
         while True:

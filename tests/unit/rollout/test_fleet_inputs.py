@@ -214,3 +214,14 @@ def test_fleet_the_trainers_early_check_refuses_another_service_before_anything_
         assert e.value.key == "rollout.server_urls[1]" and "HTTP 404 '<html>nginx</html>'" in str(e.value)
     finally:
         other.close()
+
+
+def test_fleet_a_registry_dir_that_is_a_file_is_refused_at_once(tmp_path):
+    (tmp_path / "engines").write_text("not a directory")
+    reg = EngineRegistry(tmp_path / "engines")
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"'rollout.registry_dir'.*engines is not a directory"):
+        reg.wait(1, ["h1-0"], 30.0)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(ConfigError, match=r"cannot register engine h1-0 in .*engines"):
+        reg.register(EngineRecord(name="h1-0", url="http://127.0.0.1:1", host="127.0.0.1", port=1, model="/m"))
