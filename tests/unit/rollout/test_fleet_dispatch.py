@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import threading
 import time
@@ -370,3 +371,134 @@ def test_fleet_holds_what_a_resumed_engine_returns_until_its_sync_verified_it():
         fleet.close()
     assert [[c.token_ids for c in g] for g in got] == _reference()[:4]
     assert {c.engine for g in got for c in g} == {"e1"} and m["rollout/requeued_requests"] == 2
+
+
+def test_fleet_resends_what_a_resumed_engine_returns_when_it_is_never_verified_within_the_timeout():
+    """An engine resumed before its probe whose sync never settles (no admit, no failure) within
+    rollout.timeout_s: what it returned is not delivered; it is taken out (unknown weights) and its
+    requests are re-sent, with their seeds, to the engine that was verified."""
+    engines = [Frozen("e0"), Frozen("e1")]
+    cfg = RolloutConfig(engine="vllm_server", num_engines=2, max_num_seqs=4, timeout_s=0.5, hedge_after=0.0)
+    fleet = EngineFleet(engines, cfg)
+    try:
+        fleet.pause("keep")
+        futures = [fleet.submit_threadsafe(p, SPEC.for_prompt(k)) for k, p in enumerate(PROMPTS[:4])]
+        deadline = time.monotonic() + 5
+        while sum(s.outstanding for s in fleet._slots) < 8:  # two requests on each engine, frozen
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        fleet.resume_paused(engines[0])  # loaded; its verdict never comes
+        fleet.resume_paused(engines[1])
+        fleet.admit(engines[1])
+        got = [f.result(timeout=5) for f in futures]
+        m = fleet.pop_metrics()
+        assert engines[0].calls == 2, "e0 did not return its held results before the timeout"
+        assert fleet.state("e0") is EngineState.JOINING and engines[0].weight_version == UNKNOWN_VERSION
+        assert "not verified within rollout.timeout_s=0.5" in fleet._slot("e0").reason
+    finally:
+        fleet.close()
+    assert [[c.token_ids for c in g] for g in got] == _reference()[:4]
+    assert {c.engine for g in got for c in g} == {"e1"} and m["rollout/requeued_requests"] == 2
+
+
+class Lost(Frozen):
+    """A server that can be lost (every request to it then fails, as to a killed process) and come
+    back later as a new process: base weights, not paused."""
+
+    def __init__(self, name):
+        super().__init__(name)
+        self.lost_at: float | None = None
+        self.back_after = 0.0
+
+    def lose(self, back_after: float) -> None:
+        self.alive, self.lost_at, self.back_after = False, time.monotonic(), back_after
+
+    def health(self, timeout=None):
+        if not self.alive and self.lost_at is not None and time.monotonic() - self.lost_at >= self.back_after:
+            self.alive, self.weight_version = True, 0  # restarted
+            self.running.set()
+        return self.alive
+
+
+def test_fleet_with_every_engine_lost_waits_for_restarts_revives_them_and_samples_the_same():
+    """Every engine lost mid-batch: the requests wait (rollout.start_timeout_s) for the engines to come
+    back, the reviver (the weight sync: here, a stand-in that loads version 7) loads and admits each
+    one that answers, from a thread other than the fleet's loop, and every request is re-sent with its
+    seed: the same samples as an unfaulted run, the re-sent requests and the revival counted."""
+    engines = [Lost("e0"), Lost("e1")]
+    cfg = RolloutConfig(engine="vllm_server", num_engines=2, max_num_seqs=4, timeout_s=5.0, start_timeout_s=5.0,
+                        hedge_after=0.0)
+    fleet = EngineFleet(engines, cfg)
+    revived, threads = [], []
+
+    def reviver():
+        threads.append(threading.current_thread() is fleet._thread)
+        fleet.hold()  # (as the sync's round does)
+        for engine in fleet.sync_targets():
+            engine.weight_version = 7
+            fleet.resume_paused(engine)
+            fleet.admit(engine)
+            revived.append(engine.name)
+
+    fleet.set_reviver(reviver)
+    real = engines[0].submit
+    state = {"calls": 0}
+
+    async def losing(prompt_ids, sampling):
+        state["calls"] += 1
+        if state["calls"] == 3:  # mid-batch: both lost, back 0.3 s later
+            for e in engines:
+                e.lose(back_after=0.3)
+        return await real(prompt_ids, sampling)
+
+    engines[0].submit = losing
+    try:
+        got = fleet.generate(PROMPTS[:12], SPEC)
+        m = fleet.pop_metrics()
+    finally:
+        fleet.close()
+    assert [[c.token_ids for c in g] for g in got] == _reference()[:12]
+    assert sorted(set(revived)) == ["e0", "e1"] and threads and not any(threads)
+    assert m["rollout/revivals"] == 1 and m["rollout/requeued_requests"] >= 2 and m["rollout/engines_up"] == 2
+    assert {c.weight_version for g in got for c in g} <= {0, 7}
+    # nothing comes back within rollout.start_timeout_s: the request fails, naming the engines
+    engines = [Lost("a")]
+    fleet = EngineFleet(engines, dataclasses.replace(cfg, num_engines=1, start_timeout_s=0.5))
+    fleet.set_reviver(lambda: None)
+    engines[0].lose(back_after=60.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match=r"none came back within rollout.start_timeout_s=0.5s: a down"):
+            fleet.generate(PROMPTS[:1], SPEC)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        fleet.close()
+
+
+def test_fleet_hold_pauses_every_engine_a_sync_loads_so_nothing_computes_until_its_finish():
+    """A losing hedged copy still runs when the sync starts, and a request is dispatched during the
+    sync: ``hold`` pauses every engine the round loads (not a DOWN one), so neither computes until the
+    engine is resumed after its finish (``resume_paused``); what it returns then is held until it is
+    admitted."""
+    engines = [Frozen("e0"), Frozen("e1"), Lost("e2")]
+    fleet = EngineFleet(engines, _cfg(room=4))
+    try:
+        engines[2].lose(back_after=60.0)
+        fleet.mark_down("e2", "lost")
+        fleet.hold()
+        assert [e.running.is_set() for e in engines[:2]] == [False, False] and engines[2].running.is_set()
+        assert [s.paused for s in fleet._slots] == [True, True, False]
+        fleet.hold()  # idempotent: nothing paused twice
+        future = fleet.submit_threadsafe(PROMPTS[0], SPEC)
+        time.sleep(0.2)
+        assert not future.done() and sum(s.outstanding for s in fleet._slots) == 2  # it waits on a paused engine
+        for e in engines[:2]:
+            fleet.resume_paused(e)
+        time.sleep(0.2)
+        assert not future.done(), "delivered before the engine was verified"
+        for e in engines[:2]:
+            fleet.admit(e)
+        assert [c.token_ids for c in future.result(timeout=5)] == _reference()[0]
+        assert not any(s.paused for s in fleet._slots)
+    finally:
+        fleet.close()
