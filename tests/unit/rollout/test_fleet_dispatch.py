@@ -341,6 +341,17 @@ class Frozen(Seeded):
         self.running.set()
 
 
+def _frozen_on_both(fleet) -> list:
+    """The fleet paused (keep), four prompts sent: two frozen requests on each of its two engines."""
+    fleet.pause("keep")
+    futures = [fleet.submit_threadsafe(p, SPEC.for_prompt(k)) for k, p in enumerate(PROMPTS[:4])]
+    deadline = time.monotonic() + 5
+    while sum(s.outstanding for s in fleet._slots) < 8:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    return futures
+
+
 def test_fleet_holds_what_a_resumed_engine_returns_until_its_sync_verified_it():
     """Partial rollouts: each engine resumes before its probe (a paused server scores nothing), so
     what it returns between its resume and the sync's verdict is held; admitted, it is delivered; if
@@ -348,12 +359,7 @@ def test_fleet_holds_what_a_resumed_engine_returns_until_its_sync_verified_it():
     engines = [Frozen("e0"), Frozen("e1")]
     fleet = EngineFleet(engines, _cfg(room=4))
     try:
-        fleet.pause("keep")
-        futures = [fleet.submit_threadsafe(p, SPEC.for_prompt(k)) for k, p in enumerate(PROMPTS[:4])]
-        deadline = time.monotonic() + 5
-        while sum(s.outstanding for s in fleet._slots) < 8:  # two requests on each engine, frozen
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        futures = _frozen_on_both(fleet)
         fleet.resume_paused(engines[1])  # e1's new weights loaded; its probe still to come
         time.sleep(0.3)
         assert engines[1].calls == 2 and not any(f.done() for f in futures), "delivered before the verdict"
@@ -381,12 +387,7 @@ def test_fleet_resends_what_a_resumed_engine_returns_when_it_is_never_verified_w
     cfg = RolloutConfig(engine="vllm_server", num_engines=2, max_num_seqs=4, timeout_s=0.5, hedge_after=0.0)
     fleet = EngineFleet(engines, cfg)
     try:
-        fleet.pause("keep")
-        futures = [fleet.submit_threadsafe(p, SPEC.for_prompt(k)) for k, p in enumerate(PROMPTS[:4])]
-        deadline = time.monotonic() + 5
-        while sum(s.outstanding for s in fleet._slots) < 8:  # two requests on each engine, frozen
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        futures = _frozen_on_both(fleet)
         fleet.resume_paused(engines[0])  # loaded; its verdict never comes
         fleet.resume_paused(engines[1])
         fleet.admit(engines[1])
