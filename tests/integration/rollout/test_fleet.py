@@ -7,7 +7,9 @@ with SIGKILL: every server it started, the one its supervisor thread restarted t
 References: one server alone (the fleet must sample exactly what it samples, whichever engine serves
 a prompt); Hugging Face transformers with the weights sent (greedy tokens equal, sampled-token
 log-probs equal a teacher-forced float64 pass). Faults: a bucket corrupted in flight, a server killed
-with SIGKILL mid-generation (its process group, as a lost node), a server stopped with SIGSTOP.
+with SIGKILL mid-generation (its process group, as a lost node), a server stopped with SIGSTOP, every
+server lost at once mid-generation (one SIGTERM'd, which vLLM survives refusing connections, two
+SIGKILLed: the owner's launcher restarts all three, the sync re-loads the last weights).
 """
 
 from __future__ import annotations
@@ -1406,6 +1408,60 @@ def test_changing_a_fleet_key_changes_what_it_drives(key, fleet_env):
         _WALKED[memo] = probe.observe(config(given), fleet_env)
     after = probe.observe(config(given + [f"{key}={probe.value}"] + probe.also), fleet_env)
     assert _WALKED[memo] != after, f"{key}={probe.value} changed nothing its probe observes: {after}"
+
+# ------------------------------------------------ every server lost mid-step (their owner restarts them)
+def test_fleet_every_server_lost_mid_step_is_restarted_revived_and_the_step_samples_the_same(fleet_env):
+    """All three servers lost mid-generation: one gets SIGTERM (vLLM then refuses connections and
+    never exits, so its launcher must treat it as terminating: kill its group, start it again), two
+    get SIGKILL. The requests wait (rollout.start_timeout_s) for the owner's launcher to restart them
+    (together); the sync loads the last weights it sent into each one that answers and verifies them
+    (checksums, version, its probe against transformers) before any request reaches it; every
+    request is re-sent with its seed: the samples of the step before the loss, at the same version."""
+    hf, servers = fleet_env["hf"], fleet_env["servers"]
+    fleet = _fleet(fleet_env, hedge_after=0.0, max_inflight_seqs=8)
+    sync = _sync(fleet_env, fleet)  # the fleet's reviver
+    victim = fleet.engines[0]
+    real_submit, state = victim.submit, {"calls": 0}
+
+    async def submit(prompt_ids, sampling, **kw):
+        state["calls"] += 1
+        if state["calls"] == 2:  # requests in flight on every server
+            servers.signal(0, signal.SIGTERM)
+            servers.signal(1, signal.SIGKILL)
+            servers.signal(2, signal.SIGKILL)
+        return await real_submit(prompt_ids, sampling, **kw)
+
+    try:
+        sync.set_probe(_probe(hf))
+        version = _next_version(fleet_env)
+        assert sync.sync(_named(hf), version=version).complete
+        want = fleet.generate(PROMPTS, SAMPLE)
+        fleet.pop_metrics()
+        old = [servers.pid(i) for i in range(len(NAMES))]
+        victim.submit = submit
+        t0 = time.monotonic()
+        got = fleet.generate(PROMPTS, SAMPLE)
+        lost_s = time.monotonic() - t0
+        victim.submit = real_submit
+        m = fleet.pop_metrics()
+        assert _tokens(got) == _tokens(want), "a re-sent prompt was sampled differently"
+        assert {c.weight_version for g in got for c in g} == {version}
+        assert m["rollout/revivals"] == 1 and m["rollout/requeued_requests"] >= 3, m
+        deadline = time.monotonic() + 240
+        while not all(servers.pid(i) not in (None, old[i]) and servers.healthy(i) for i in range(len(NAMES))):
+            assert time.monotonic() < deadline, f"not every server came back: {servers.registry.records()}"
+            time.sleep(0.5)
+        assert live_in_group(old[0]) == [], "the SIGTERM'd server's processes were left running"
+        # every server rejoins at the next sync, all on one version again
+        version = _next_version(fleet_env)
+        m = sync.sync(_named(hf), version=version)
+        assert m.complete and m.engines == 3 and m.probe_gap_max < 1e-4, m
+        print(f"step with every server lost: {lost_s:.1f} s (load {os.getloadavg()[0]:.1f})")
+    finally:
+        victim.submit = real_submit
+        sync.close()
+        fleet.close()
+
 
 # ------------------------------------------------------------ last: the servers die with their owner
 def test_servers_die_with_their_owner_killed_by_sigkill(fleet_env):
