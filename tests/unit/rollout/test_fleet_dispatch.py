@@ -14,7 +14,7 @@ import time
 import pytest
 
 from megatron_rl.rollout.base import UNKNOWN_VERSION, Completion, EngineDied, EngineError, RolloutEngine, SamplingSpec
-from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.config import AsyncConfig, RolloutConfig
 from megatron_rl.rollout.fleet import EngineFleet, EngineState
 
 
@@ -503,3 +503,129 @@ def test_fleet_hold_pauses_every_engine_a_sync_loads_so_nothing_computes_until_i
         assert not any(s.paused for s in fleet._slots)
     finally:
         fleet.close()
+
+
+class Tokenwise(Seeded):
+    """A server that generates token by token (``per_token`` seconds each; sample length and tokens a
+    function of prompt and seed + j) and honours vLLM's pause modes: ``abort`` answers every request
+    at once with the tokens it has (finish reason ``abort`` for the samples it stopped), requests sent
+    while paused wait for ``resume``."""
+
+    def __init__(self, name, per_token):
+        super().__init__(name)
+        self.per_token = per_token
+        self.paused = self.abort_now = False
+        self.prompts: list[list[int]] = []
+
+    async def submit(self, prompt_ids, sampling, request_id=None):
+        self.prompts.append(list(prompt_ids))
+        while self.paused:
+            await asyncio.sleep(0.005)
+        rngs = [random.Random(hash((tuple(prompt_ids), sampling.seed + j))) for j in range(sampling.n)]
+        lengths = [min(sampling.max_tokens, r.randrange(3, 24)) for r in rngs]
+        ids: list[list[int]] = [[] for _ in range(sampling.n)]
+        for t in range(max(lengths)):
+            if self.abort_now:
+                break
+            await asyncio.sleep(self.per_token)
+            for j, r in enumerate(rngs):
+                if t < lengths[j]:
+                    ids[j].append(r.randrange(100))
+        return [Completion(token_ids=x, logprobs=[-0.5] * len(x), text="".join(f"<{t}>" for t in x),
+                           finish_reason=("stop" if len(x) < sampling.max_tokens else "length") if len(x) == n
+                           else "abort", truncated=len(x) == sampling.max_tokens, weight_version=self.weight_version,
+                           engine=self.name) for x, n in zip(ids, lengths)]
+
+    def pause(self, mode="keep"):
+        self.paused, self.abort_now = True, mode == "abort"
+
+    def resume(self):
+        self.paused = self.abort_now = False
+
+
+def test_a_preemption_mid_generation_keeps_finished_groups_and_continues_partial_ones(caplog):
+    """A stop request while a step waits for its groups (preemption): the step is given up; the
+    servers answer every request at once with what they generated (/pause?mode=abort); the scheduler
+    saves the finished groups whole and the partial responses with their tokens, log-probs and
+    versions (the count logged); a scheduler restored from that state trains the finished groups
+    as they were (not generated again) and continues each stopped sample from its partial tokens
+    (prompt + partial, the rest of the length, the sample's seed), joined end to end."""
+    import logging
+
+    from megatron_rl.algo.config import AlgoConfig
+    from megatron_rl.data.dataset import PromptRecord
+    from megatron_rl.data.loader import PromptLoader
+    from megatron_rl.rewards import RewardManager
+    from megatron_rl.rewards.config import RewardConfig
+    from megatron_rl.trainer.async_rollout import Interrupted, RolloutScheduler
+
+    records = [PromptRecord(prompt_ids=p, prompt_text="", ground_truth="1", style="exact_boxed", data_source="t",
+                            uid=str(i)) for i, p in enumerate(PROMPTS)]
+    rcfg = RolloutConfig(engine="vllm_server", rollout_batch_size=8, group_size=2, timeout_s=10.0, hedge_after=0.0,
+                         max_num_seqs=64, async_=AsyncConfig(oversample=0.25))
+
+    def scheduler(fleet):
+        return RolloutScheduler(fleet, PromptLoader(records, 8, seed=1), RewardManager(RewardConfig()), rcfg,
+                                AlgoConfig(filter_zero_variance_groups=False), run_seed=3, max_response_len=20)
+
+    engines = [Tokenwise("fast", 0.002), Tokenwise("slow", 0.05)]
+    fleet = EngineFleet(engines, rcfg)
+    try:
+        sched = scheduler(fleet)
+        t0 = time.monotonic()
+        with pytest.raises(Interrupted):  # the stop comes while the slow server's requests generate
+            sched.next_rollout(0, 0, 0, lambda name: contextlib.nullcontext(),
+                               stop=lambda: time.monotonic() - t0 > 0.4)
+        state = sched.state_dict()
+        saved = {(d["wave"], d["index"]): d for d in state["groups"]}
+        finished = [k for k, d in saved.items() if d["completions"] and
+                    all(c["finish_reason"] != "abort" for c in d["completions"])]
+        partial = {k: d for k, d in saved.items() if d["completions"] and
+                   any(c["finish_reason"] == "abort" and c["token_ids"] for c in d["completions"])}
+        assert len(finished) >= 3 and partial, saved
+        assert len(saved) == 10  # the step's 8 prompts and 25% more: none lost, none twice
+        import tempfile
+        from pathlib import Path
+        with tempfile.TemporaryDirectory() as tmp, caplog.at_level(logging.INFO, logger="megatron_rl"):
+            sched.save(Path(tmp))
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        n_partial = sum(c["finish_reason"] == "abort" for d in saved.values() if d["completions"]
+                        for c in d["completions"])
+        kept = sum(d["completions"] is not None for d in saved.values())
+        assert (f"rollouts saved with the checkpoint: {kept} groups generated and not trained on "
+                f"({n_partial} partial responses among them") in logged, logged
+        sent_before = {e.name: len(e.prompts) for e in engines}
+    finally:
+        fleet.close()
+    # the resumed run: fresh servers, the saved state
+    engines = [Tokenwise("fast", 0.002), Tokenwise("slow", 0.002)]
+    fleet = EngineFleet(engines, rcfg)
+    try:
+        sched = scheduler(fleet)
+        sched.loader.take(10)  # (the saved loader state: the wave was drawn)
+        sched.load_state_dict(state, version=0, global_step=0, step=0)
+        ro, _ = sched.next_rollout(0, 0, 0, lambda name: contextlib.nullcontext())
+        sched.close()
+    finally:
+        fleet.close()
+    assert sent_before and len(ro.records) == 8
+    sent = [p for e in engines for p in e.prompts]
+    groups = {}
+    for k, c in zip(ro.group_ids.tolist(), ro.completions):
+        groups.setdefault(k, []).append(c)
+    uid_to_key = {str(d["record"]): k for k, d in saved.items()}
+    for k, comps in groups.items():
+        key = uid_to_key[ro.records[k].uid]
+        d = saved[key]
+        prompt = records[d["record"]].prompt_ids
+        assert all(c.finish_reason != "abort" and len(c.token_ids) <= 20 for c in comps)
+        if key in finished:  # trained as saved, never sent again
+            assert [c.token_ids for c in comps] == [c["token_ids"] for c in d["completions"]]
+            assert prompt not in sent
+        elif key in partial:
+            for c, was in zip(comps, d["completions"]):
+                assert c.token_ids[:len(was["token_ids"])] == was["token_ids"]
+                assert c.logprobs[:len(was["logprobs"])] == was["logprobs"]
+                if was["finish_reason"] == "abort":  # continued: prompt + its partial tokens, the rest of 20
+                    assert prompt + was["token_ids"] in sent and len(c.token_ids) >= len(was["token_ids"])
+    assert any(key in partial for key in (uid_to_key[ro.records[k].uid] for k in groups)) or len(finished) >= 8
