@@ -62,7 +62,8 @@ STATE_FILE = "rollouts.pt"
 class Interrupted(Exception):
     """A stop was requested while a step waited for its groups: the step is given up (nothing is
     trained), what was generated stays in the scheduler for the checkpoint."""
-# RUN_DIR/async_samples.jsonl: per step, the weight versions of every response trained on.
+# RUN_DIR/async_samples.jsonl: per step, the prompts trained on (their uids, in training order) and the
+# weight versions of every response.
 SAMPLE_LOG = "async_samples.jsonl"
 
 
@@ -503,7 +504,9 @@ class RolloutScheduler:
     def _log_versions(self, step: int, global_step: int, version: int, taken: list[Group]) -> None:
         if self.sample_log is None:
             return
+        taken = sorted(taken, key=lambda g: g.tag)  # (the order they are trained in)
         row = {"stage": self.stage, "step": global_step + 1, "stage_step": step, "trainer_version": version,
+               "prompts": [self.loader.records[g.record].uid for g in taken],
                "versions": [[c.weight_version, c.newest_version] for g in taken for c in g.completions]}
         with open(self.sample_log, "a") as f:
             f.write(json.dumps(row) + "\n")
