@@ -157,6 +157,8 @@ def main() -> None:
     ap.add_argument("--hedge-after", type=float, default=1.5, help="rollout.hedge_after of the hedged fleet")
     ap.add_argument("--bucket-mib", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--sync-only", action="store_true",
+                    help="phases 2 and 3 only (the sync and its verification), not the straggler phase")
     ap.add_argument("--rounds", type=int, default=4,
                     help="blocks of four syncs (ABBA / BAAB alternately) comparing verified and unverified")
     ap.add_argument("--work-dir", default="/tmp/mrl_rollout_dispatch")
@@ -309,73 +311,85 @@ def main() -> None:
         print(f"probe (3 servers score {len(probe_toks)} tokens, concurrently): {probe:.3f}s = "
               f"{probe / off:.3f}x the unverified sync; load {loadavg()}")
 
-        # ---- 1. straggler (the same servers, one slowed)
-        prompts = [[5 + (7 * i) % 50, 9 + i % 13, 3, 11 + (3 * i) % 17] for i in range(args.prompts)]
-        spec = SamplingSpec(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=7)
-        # warm-up, and the hedged fleet learns each engine's request time on this batch (as in a
-        # run, where the last steps' requests are the measure)
-        plain.generate(prompts[:3], spec)
-        # the slow engine's per-step delay: (slowdown - 1) x the step time all three take unslowed
-        # (its third's time over the engine steps it took, counted by the logits processor)
-        steps_file = Path(str(delay_file) + ".steps")
-        steps0 = int(steps_file.read_text()) if steps_file.exists() else 0
-        _, even = asyncio.run(fixed_shares(engines, prompts, spec))
-        steps = int(steps_file.read_text()) - steps0
-        step_s = even[-1] / max(1, steps)
-        delay_s = args.step_delay_ms / 1000 if args.step_delay_ms is not None else (args.slowdown - 1) * step_s
-        delay_file.write_text(f"{delay_s:.4f}")
-        print(f"# unslowed, each engine's third took {', '.join(f'{x:.2f}' for x in even)}s (the last one "
-              f"{steps} engine steps, {step_s * 1000:.0f} ms each); the slow engine now sleeps "
-              f"{delay_s * 1000:.0f} ms per step",
-              flush=True)
-        hedged.generate(prompts, spec)
-        times: dict[str, list[float]] = {"shares": [], "plain": [], "hedged": []}
-        share_times, slow_share, hedge_metrics = [], {}, {}
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            a, per_share = asyncio.run(fixed_shares(engines, prompts, spec))
-            times["shares"].append(time.perf_counter() - t)
-            share_times.append(per_share)
-            outs = {}
-            for key, fleet in (("plain", plain), ("hedged", hedged)):
-                fleet.pop_metrics()
-                t = time.perf_counter()
-                outs[key] = fleet.generate(prompts, spec)
-                times[key].append(time.perf_counter() - t)
-                slow_share[key] = sum(len(g) for g in outs[key] if g[0].engine == slow.name) / (len(prompts) * args.n)
-                hedge_metrics[key] = fleet.pop_metrics()
-            tokens = [[c.token_ids for c in g] for g in a]
-            assert all(tokens == [[c.token_ids for c in g] for g in o] for o in outs.values()), \
-                "fixed shares and the fleet sampled differently"
-        s_med, p_med, h_med = med(times["shares"]), med(times["plain"]), med(times["hedged"])
-        fast_share = med([max(p[:-1]) for p in share_times])
-        slow_share_t = med([p[-1] for p in share_times])
-        hm = hedge_metrics["hedged"]
-        print(f"\n## generation, engine {slow.name} slowed by {delay_s * 1000:.0f} ms per engine step "
-              f"({args.prompts} prompts x n={args.n} x {args.max_tokens} tokens, max_num_seqs "
-              f"{args.max_num_seqs}); load {loadavg()}")
-        print(f"under fixed shares the slow engine took {slow_share_t:.2f}s for its third, the fast ones "
-              f"{fast_share:.2f}s: {slow_share_t / fast_share:.1f}x slower on the same work")
-        print("| dispatch | s (median) | runs | slow engine's share |\n| --- | --- | --- | --- |")
-        print(f"| fixed shares (contiguous 1/3 each) | {s_med:.2f} | {', '.join(f'{x:.2f}' for x in times['shares'])} "
-              f"| 33% |")
-        print(f"| fleet, least outstanding work, no hedging | {p_med:.2f} | "
-              f"{', '.join(f'{x:.2f}' for x in times['plain'])} | {slow_share['plain']:.0%} |")
-        print(f"| fleet + tail hedging (hedge_after {args.hedge_after:g}) | {h_med:.2f} | "
-              f"{', '.join(f'{x:.2f}' for x in times['hedged'])} | {slow_share['hedged']:.0%} |")
-        print(f"straggler_speedup = {s_med / h_med:.2f}x (without hedging {s_med / p_med:.2f}x); last round: "
-              f"{hm['rollout/hedged_requests']:.0f} requests hedged, {hm['rollout/hedge_wins']:.0f} answered "
-              f"first by the copy", flush=True)
-        delay_file.write_text("0")
-        fleet.close()
-        plain.close()
+        if args.sync_only:
+            plain.close()
+            hedged.close()
+        else:
+            s_med, p_med, h_med = straggler(args, engines, plain, hedged, delay_file, slow)
     print(f"# servers stopped; {time.perf_counter() - t_start:.0f}s with servers", flush=True)
-    print(json.dumps({"straggler_speedup": round(s_med / h_med, 3), "sync_vs_floor": round(off / fl, 3),
-                      "verify_overhead": round(overhead, 3),
-                      "verify_overhead_spread": [round(min(blocks), 3), round(max(blocks), 3)],
-                      "probe_vs_sync": round(probe / off, 3),
-                      "straggler_speedup_no_hedging": round(s_med / p_med, 3),
-                      "sync_vs_floor_with_engine_load": round(off / floor2, 3), "sync_route_s": round(routes, 3)}))
+    head = {"sync_vs_floor": round(off / fl, 3), "verify_overhead": round(overhead, 3),
+            "verify_overhead_spread": [round(min(blocks), 3), round(max(blocks), 3)],
+            "probe_vs_sync": round(probe / off, 3), "sync_vs_floor_with_engine_load": round(off / floor2, 3),
+            "sync_route_s": round(routes, 3)}
+    if not args.sync_only:
+        head = {"straggler_speedup": round(s_med / h_med, 3), **head,
+                "straggler_speedup_no_hedging": round(s_med / p_med, 3)}
+    print(json.dumps(head))
+
+
+def straggler(args, engines, plain, hedged, delay_file, slow) -> tuple[float, float, float]:
+    """Phase 1: generation with one engine slowed: fixed shares vs the fleet without / with hedging."""
+    # ---- 1. straggler (the same servers, one slowed)
+    prompts = [[5 + (7 * i) % 50, 9 + i % 13, 3, 11 + (3 * i) % 17] for i in range(args.prompts)]
+    spec = SamplingSpec(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=7)
+    # warm-up, and the hedged fleet learns each engine's request time on this batch (as in a
+    # run, where the last steps' requests are the measure)
+    plain.generate(prompts[:3], spec)
+    # the slow engine's per-step delay: (slowdown - 1) x the step time all three take unslowed
+    # (its third's time over the engine steps it took, counted by the logits processor)
+    steps_file = Path(str(delay_file) + ".steps")
+    steps0 = int(steps_file.read_text()) if steps_file.exists() else 0
+    _, even = asyncio.run(fixed_shares(engines, prompts, spec))
+    steps = int(steps_file.read_text()) - steps0
+    step_s = even[-1] / max(1, steps)
+    delay_s = args.step_delay_ms / 1000 if args.step_delay_ms is not None else (args.slowdown - 1) * step_s
+    delay_file.write_text(f"{delay_s:.4f}")
+    print(f"# unslowed, each engine's third took {', '.join(f'{x:.2f}' for x in even)}s (the last one "
+          f"{steps} engine steps, {step_s * 1000:.0f} ms each); the slow engine now sleeps "
+          f"{delay_s * 1000:.0f} ms per step",
+          flush=True)
+    hedged.generate(prompts, spec)
+    times: dict[str, list[float]] = {"shares": [], "plain": [], "hedged": []}
+    share_times, slow_share, hedge_metrics = [], {}, {}
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        a, per_share = asyncio.run(fixed_shares(engines, prompts, spec))
+        times["shares"].append(time.perf_counter() - t)
+        share_times.append(per_share)
+        outs = {}
+        for key, fleet in (("plain", plain), ("hedged", hedged)):
+            fleet.pop_metrics()
+            t = time.perf_counter()
+            outs[key] = fleet.generate(prompts, spec)
+            times[key].append(time.perf_counter() - t)
+            slow_share[key] = sum(len(g) for g in outs[key] if g[0].engine == slow.name) / (len(prompts) * args.n)
+            hedge_metrics[key] = fleet.pop_metrics()
+        tokens = [[c.token_ids for c in g] for g in a]
+        assert all(tokens == [[c.token_ids for c in g] for g in o] for o in outs.values()), \
+            "fixed shares and the fleet sampled differently"
+    s_med, p_med, h_med = med(times["shares"]), med(times["plain"]), med(times["hedged"])
+    fast_share = med([max(p[:-1]) for p in share_times])
+    slow_share_t = med([p[-1] for p in share_times])
+    hm = hedge_metrics["hedged"]
+    print(f"\n## generation, engine {slow.name} slowed by {delay_s * 1000:.0f} ms per engine step "
+          f"({args.prompts} prompts x n={args.n} x {args.max_tokens} tokens, max_num_seqs "
+          f"{args.max_num_seqs}); load {loadavg()}")
+    print(f"under fixed shares the slow engine took {slow_share_t:.2f}s for its third, the fast ones "
+          f"{fast_share:.2f}s: {slow_share_t / fast_share:.1f}x slower on the same work")
+    print("| dispatch | s (median) | runs | slow engine's share |\n| --- | --- | --- | --- |")
+    print(f"| fixed shares (contiguous 1/3 each) | {s_med:.2f} | {', '.join(f'{x:.2f}' for x in times['shares'])} "
+          f"| 33% |")
+    print(f"| fleet, least outstanding work, no hedging | {p_med:.2f} | "
+          f"{', '.join(f'{x:.2f}' for x in times['plain'])} | {slow_share['plain']:.0%} |")
+    print(f"| fleet + tail hedging (hedge_after {args.hedge_after:g}) | {h_med:.2f} | "
+          f"{', '.join(f'{x:.2f}' for x in times['hedged'])} | {slow_share['hedged']:.0%} |")
+    print(f"straggler_speedup = {s_med / h_med:.2f}x (without hedging {s_med / p_med:.2f}x); last round: "
+          f"{hm['rollout/hedged_requests']:.0f} requests hedged, {hm['rollout/hedge_wins']:.0f} answered "
+          f"first by the copy", flush=True)
+    delay_file.write_text("0")
+    hedged.close()
+    plain.close()
+    return s_med, p_med, h_med
 
 
 if __name__ == "__main__":

@@ -605,11 +605,22 @@ class EngineFleet(RolloutEngine):
 
     # ------------------------------------------------------------------------- fan-out control
     def _each_live(self, fn, *args) -> None:
-        for engine in self.live():
+        """``fn(engine)`` on every live engine, all at once (one that fails is marked down)."""
+        def call(engine) -> None:
             try:
                 fn(engine, *args)
             except EngineError as exc:
                 self.mark_down(engine, str(exc))
+
+        self._each(call, self.live())
+
+    @staticmethod
+    def _each(fn, items: list) -> None:
+        if len(items) == 1:
+            fn(items[0])
+        elif items:
+            with cf.ThreadPoolExecutor(max_workers=len(items), thread_name_prefix="fleet-ctl") as pool:
+                list(pool.map(fn, items))
 
     def reset_prefix_cache(self) -> None:
         self._each_live(lambda e: e.reset_prefix_cache())
@@ -641,10 +652,7 @@ class EngineFleet(RolloutEngine):
             except EngineError as exc:
                 self.mark_down(slot.engine, str(exc))
 
-        slots = [s for s in self._slots if s.state is not EngineState.DOWN and not s.paused]
-        if slots:  # all at once: each is a round trip to its engine core
-            with cf.ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix="hold") as pool:
-                list(pool.map(pause, slots))
+        self._each(pause, [s for s in self._slots if s.state is not EngineState.DOWN and not s.paused])
 
     def resume(self) -> None:
         """Every engine that is not down, those rejoining too: one that failed a sync while paused
