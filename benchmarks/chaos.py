@@ -3,8 +3,8 @@ unbroken.
 
 `megatron-rl train` (the CPU miniature: tiny model, synthetic task, no cold start) drives three vLLM
 servers it starts itself (``rollout.placement=colocated``, ``engines_per_node=3``: its own launcher
-supervises them, as on a node). Once step 3k is logged, fault k hits server (k - 1) mod 3, mid-way
-into the next step's generation, in turn:
+supervises them, as on a node). Once step 3k is logged, fault k hits server (k - 1) mod 3 (or, when
+that one is being restarted, another registered one), mid-way into the next step's generation, in turn:
 
 - ``kill -9`` of its whole process group (a lost node): the launcher restarts it;
 - ``SIGTERM`` to its process group: vLLM then refuses connections and never exits; the launcher must
@@ -109,10 +109,11 @@ def train(run_dir: Path, args, faults: bool) -> dict:
             steps = len({r["step"] for r in metrics(run_dir)})
             if faults and steps >= args.every * (k + 1) and steps < args.steps:
                 time.sleep(args.delay_s)  # into the next step's generation
-                names = sorted(servers(run_dir))
+                live = servers(run_dir)  # registered: up (one being restarted is not)
+                names = sorted(live)
                 kind = FAULTS[k % len(FAULTS)]
-                name = f"chaos-{k % 3}"
-                pid = servers(run_dir).get(name)
+                name = f"chaos-{k % 3}" if f"chaos-{k % 3}" in live or not names else names[k % len(names)]
+                pid = live.get(name)
                 if pid is not None:
                     if kind == "kill":
                         signal_group(pid, signal.SIGKILL)
