@@ -432,6 +432,8 @@ class RolloutScheduler:
             block = False
             for tag, result in batch:
                 if isinstance(result, BaseException) and (tag in self.in_flight or tag in self._continuing):
+                    if self._interrupting:  # stopping anyway: left to redraw (or continue) on resume
+                        continue
                     raise RuntimeError(f"rollout engine failed on prompt {tag}: {result}") from result
                 if tag in self._continuing:
                     self._joined(tag, result[0])
