@@ -46,7 +46,7 @@ STAGE = "s1"
 
 def overrides(steps: int, timeout_s: float) -> list[str]:
     return [
-        "synthetic.min_digits=1", "synthetic.max_digits=1", "synthetic.train_size=400", "synthetic.eval_size=5",
+        "synthetic.min_digits=1", "synthetic.max_digits=1", "synthetic.train_size=60", "synthetic.eval_size=5",
         "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=2",
         "model.tiny.intermediate_size=128", "model.tiny.num_layers=2", "sft.enabled=false",
         "rollout.rollout_batch_size=8", "rollout.group_size=4", "rollout.kv_cache_bytes=16777216",
