@@ -295,9 +295,31 @@ class ServerWeightSync(WeightSync):
             kept: list = []
             try:
                 return self._round(_keeping(named_tensors, kept), version, self.probe)
+            except SyncError:
+                if len(kept) != len(self.source.metadata()) or not self._all_lost():
+                    raise  # a mismatch, or an engine that answers: the trainer's to see
+                return self._after_loss(version, kept, self.probe)  # every engine died during the round
             finally:  # the trainer's weights of ``version``, whatever the round did with them
                 if len(kept) == len(self.source.metadata()):
                     self._last = (version, kept, self.probe)
+
+    def _all_lost(self) -> bool:
+        return all(self.fleet.state(e) is EngineState.DOWN for e in self.fleet.engines)
+
+    def _after_loss(self, version: int, kept: list, reference) -> SyncMetrics:
+        """Every engine died while a round loaded them: the same weights (the host copy) again, into
+        the engines their launchers restart, within ``rollout.start_timeout_s``."""
+        timeout = self.fleet.cfg.start_timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            log.warning("weight sync v%d: every engine died during the round; loading it again into the "
+                        "engines that come back (rollout.start_timeout_s=%gs)", version, timeout)
+            self.fleet.wait_for_engines(max(0.0, deadline - time.monotonic()))
+            try:
+                return self._round(iter(kept), version, reference)
+            except SyncError:
+                if time.monotonic() >= deadline or not self._all_lost():
+                    raise
 
     def _round(self, named_tensors: NamedTensors, version: int, reference) -> SyncMetrics:
         """One round to the fleet's sync targets; ``reference``: the probe every engine must pass."""
