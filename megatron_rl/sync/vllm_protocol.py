@@ -295,10 +295,12 @@ class ServerWeightSync(WeightSync):
             kept: list = []
             try:
                 return self._round(_keeping(named_tensors, kept), version, self.probe)
-            except SyncError:
-                if len(kept) != len(self.source.metadata()) or not self._all_lost():
-                    raise  # a mismatch, or an engine that answers: the trainer's to see
-                return self._after_loss(version, kept, self.probe)  # every engine died during the round
+            except SyncMismatch:
+                raise  # an engine loaded or computes other weights: the trainer's to see
+            except SyncError as exc:
+                if len(kept) != len(self.source.metadata()):
+                    raise
+                return self._again(version, kept, self.probe, exc)  # it reached no engine
             finally:  # the trainer's weights of ``version``, whatever the round did with them
                 if len(kept) == len(self.source.metadata()):
                     self._last = (version, kept, self.probe)
@@ -306,20 +308,29 @@ class ServerWeightSync(WeightSync):
     def _all_lost(self) -> bool:
         return all(self.fleet.state(e) is EngineState.DOWN for e in self.fleet.engines)
 
-    def _after_loss(self, version: int, kept: list, reference) -> SyncMetrics:
-        """Every engine died while a round loaded them: the same weights (the host copy) again, into
-        the engines their launchers restart, within ``rollout.start_timeout_s``."""
+    def _again(self, version: int, kept: list, reference, failure: SyncError) -> SyncMetrics:
+        """A round that reached no engine (they died, hung or were cut off; not a mismatch): the same
+        weights again, from the host copy. While every engine is lost, into those their launchers
+        restart, within ``rollout.start_timeout_s``; while some answer, up to ``sync.retries`` more
+        rounds. Raises the last failure past that."""
         timeout = self.fleet.cfg.start_timeout_s
-        deadline = time.monotonic() + timeout
+        deadline, tries = time.monotonic() + timeout, 0
         while True:
-            log.warning("weight sync v%d: every engine died during the round; loading it again into the "
-                        "engines that come back (rollout.start_timeout_s=%gs)", version, timeout)
+            if not self._all_lost():
+                if tries >= self.config.retries:
+                    raise failure
+                tries += 1
+            elif time.monotonic() >= deadline:
+                raise failure
+            log.warning("weight sync v%d reached no engine (%s); loading it again into the engines that answer "
+                        "or come back (rollout.start_timeout_s=%gs)", version, failure, timeout)
             self.fleet.wait_for_engines(max(0.0, deadline - time.monotonic()))
             try:
                 return self._round(iter(kept), version, reference)
-            except SyncError:
-                if time.monotonic() >= deadline or not self._all_lost():
-                    raise
+            except SyncMismatch:
+                raise
+            except SyncError as exc:
+                failure = exc
 
     def _round(self, named_tensors: NamedTensors, version: int, reference) -> SyncMetrics:
         """One round to the fleet's sync targets; ``reference``: the probe every engine must pass."""
