@@ -629,3 +629,59 @@ def test_a_preemption_mid_generation_keeps_finished_groups_and_continues_partial
                 if was["finish_reason"] == "abort":  # continued: prompt + its partial tokens, the rest of 20
                     assert prompt + was["token_ids"] in sent and len(c.token_ids) >= len(was["token_ids"])
     assert any(key in partial for key in (uid_to_key[ro.records[k].uid] for k in groups)) or len(finished) >= 8
+
+
+def test_a_sync_round_that_reached_no_engine_is_loaded_again_from_the_host_copy():
+    """The weight sync's control loop around a round (the round itself stands in): when every engine
+    dies during a round, the same weights, from the sender's host copy, go into the engines that come
+    back (no second export); a mismatch is raised at once; engines that answer but keep failing get
+    sync.retries more rounds, then the failure."""
+    pytest.importorskip("vllm")
+    import torch
+
+    from megatron_rl.sync.base import SyncError, SyncMetrics, SyncMismatch
+    from megatron_rl.sync.config import SyncConfig
+    from megatron_rl.sync.vllm_protocol import ServerTransport, ServerWeightSync
+
+    engines = [Lost("e0"), Lost("e1")]
+    fleet = EngineFleet(engines, RolloutConfig(engine="vllm_server", num_engines=2, start_timeout_s=5.0, hedge_after=0.0))
+    meta = [("a", torch.float32, (3,)), ("b", torch.float32, (2,))]
+    sync = ServerWeightSync(SyncConfig(transport="gloo", retries=1), fleet, sender=True, metadata=meta,
+                            transport=ServerTransport("stand-in", lambda *a: None))
+    rounds: list = []
+
+    def dies_once(named, version, reference):
+        rounds.append([(n, t.clone()) for n, t in named])
+        if len(rounds) == 1:
+            for e in engines:
+                e.lose(back_after=0.3)
+                fleet.mark_down(e, "killed during the round")
+            raise SyncError("the round was cut")
+        for e in fleet.sync_targets():
+            fleet.admit(e)
+        return SyncMetrics(version=version, engines=len(fleet.live()))
+
+    def failing(kind):
+        def round_(named, version, reference):
+            rounds.append(list(named))
+            raise kind("no answer")
+        return round_
+
+    try:
+        assert fleet.reviver == sync.revive
+        sync._round = dies_once
+        exported = iter([("a", torch.arange(3.0)), ("b", torch.ones(2))])  # walked once, as the export is
+        m = sync.sync(exported, 7)
+        assert len(rounds) == 2 and m.engines == 2 and [e.name for e in fleet.live()] == ["e0", "e1"]
+        assert [n for n, _ in rounds[1]] == ["a", "b"]
+        assert all(torch.equal(x, y) for (_, x), (_, y) in zip(rounds[0], rounds[1]))
+        for kind, calls in ((SyncMismatch, 1), (SyncError, 2)):  # engines up: retries=1 more round
+            rounds.clear()
+            sync._round = failing(kind)
+            with pytest.raises(kind):
+                sync.sync(iter([("a", torch.zeros(3)), ("b", torch.zeros(2))]), 8)
+            assert len(rounds) == calls, (kind, len(rounds))
+    finally:
+        sync.close()
+        fleet.close()
+    assert fleet.reviver is None
