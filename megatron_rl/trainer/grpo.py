@@ -15,7 +15,7 @@ from megatron_rl.common.metrics import reduce_metrics
 from megatron_rl.models.batch import PerSequence, SequenceBatch
 from megatron_rl.tracking.console import StageProgress
 from megatron_rl.trainer import phases
-from megatron_rl.trainer.async_rollout import RolloutScheduler, open_rollouts
+from megatron_rl.trainer.async_rollout import Interrupted, RolloutScheduler, open_rollouts
 from megatron_rl.trainer.checkpointing import begin_stage, ensure_reference, finish_stage, save_checkpoint
 from megatron_rl.trainer.config import StageConfig
 from megatron_rl.trainer.context import Context
@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from megatron_rl.models.reference import ReferencePolicy
 
 log = logging.getLogger("megatron_rl")
+
+# What the driver broadcasts instead of a batch when a stop request interrupted the step's generation.
+INTERRUPTED = "interrupted"
 
 
 class StepTimer:
@@ -63,11 +66,12 @@ def train_stage(ctx: Context, stage: StageConfig, *, eval_start: bool = False) -
     rollouts = open_rollouts(ctx, stage, state, loader)  # the driver's source of rollouts (rollout.async)
     try:
         with StageProgress(stage.name, stage.max_steps, state.step, enabled=ctx.is_driver and cfg.tracking.console) as bar:
-            run_steps(ctx, stage, state, loader, rollouts, bar)
+            interrupted = run_steps(ctx, stage, state, loader, rollouts, bar)
         if ctx.is_driver and ctx.observer is not None:
             ctx.observer.flush()
         if ctx.stop_agreed() and state.step < stage.max_steps:
-            if not RunDir.is_complete(ctx.run.step_dir(stage.name, state.step)):  # not just saved periodically
+            # (again after an interrupted step: the checkpoint then keeps what it generated)
+            if interrupted or not RunDir.is_complete(ctx.run.step_dir(stage.name, state.step)):
                 save_checkpoint(ctx, stage, state, loader, rollouts)
             return
     finally:
@@ -77,7 +81,9 @@ def train_stage(ctx: Context, stage: StageConfig, *, eval_start: bool = False) -
 
 
 def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: PromptLoader | None,
-              rollouts: RolloutScheduler | None, bar: StageProgress) -> None:
+              rollouts: RolloutScheduler | None, bar: StageProgress) -> bool:
+    """The stage's steps until its end or a stop; True when a stop request interrupted a step's
+    generation (preemption: nothing of that step was trained, what it generated is kept)."""
     cfg = ctx.cfg
     watch = NoUpdateWatch(cfg.trainer.max_steps_without_update)
     while state.step < stage.max_steps and not ctx.stop_agreed():
@@ -87,7 +93,12 @@ def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: Pro
         sample = ""
         if ctx.is_driver:  # generate + score (timed "gen" / "reward"), as soon as rollout.async allows
             ctx.engines_wake()
-            ro, m = rollouts.next_rollout(state.step, state.global_step, state.weight_version, timer)
+            try:
+                ro, m = rollouts.next_rollout(state.step, state.global_step, state.weight_version, timer,
+                                              stop=lambda: ctx.stop.requested)
+            except Interrupted as exc:
+                log.warning("stage %s: %s: the step is given up, what it generated is kept", stage.name, exc)
+                ro, m, batch = None, {}, INTERRUPTED
             if not cfg.rollout.async_.enabled:  # colocated on GPUs: nothing generates while training
                 ctx.engines_sleep()
             m.update(ctx.engine.pop_metrics())  # the fleet's re-sent requests, engines up / down
@@ -99,6 +110,9 @@ def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: Pro
                 sample = (f"{ro.completions[0].text[:300]!r} (ground truth "
                           f"{ro.records[0].ground_truth!r})")
         batch = ctx.broadcast(batch)
+        if isinstance(batch, str):  # INTERRUPTED: every rank leaves the step
+            ctx.stop.requested = True  # (so that every rank agrees to stop)
+            return True
         per_sample = None
         if batch is not None:
             with timer("logprob"):
@@ -146,6 +160,7 @@ def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: Pro
         if stop:
             log.info("stage %s: validation accuracy plateaued at step %d", stage.name, state.step)
             break
+    return False
 
 
 def needs_old_logprobs(a: AlgoConfig, batch: SequenceBatch, version: int) -> bool:
