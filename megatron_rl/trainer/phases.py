@@ -149,6 +149,17 @@ def sft_batch(records: list[PromptRecord], tokenizer) -> SequenceBatch:
                          seq_fields={"advantages": torch.ones(len(seqs))})
 
 
+def sft_objective(algo: AlgoConfig) -> AlgoConfig:
+    """The objective the SFT cold start trains with: the run's aggregation and entropy settings with
+    the plain policy gradient (``reinforce``: at ratio 1 with advantage 1 every registered loss has
+    the NLL's gradient) and none of the terms that need a rollout (the engine's log-probs for a
+    mismatch correction or decoupled PPO, the KL reference, the distillation teacher, token masks),
+    which SFT's demonstrations do not have."""
+    return dataclasses.replace(algo, policy_loss="reinforce", clip=dataclasses.replace(algo.clip, dual_clip_c=None),
+                               mismatch=type(algo.mismatch)(), kl=type(algo.kl)(), distill=type(algo.distill)(),
+                               token_mask=type(algo.token_mask)())
+
+
 def kl_shaped_advantages(batch: SequenceBatch, algo: AlgoConfig) -> dict:
     """``algo.kl.as_reward``: each response's reward minus ``coef`` x its summed token KL(old || ref)
     (``algo.kl_reward_penalty``), and the advantages recomputed from those rewards within the kept
