@@ -2,17 +2,19 @@
 held-out accuracy? One run, paired seeds.
 
 The student is the demo's SFT cold start (``configs/demo_cpu.yaml``: stops at 0.25 validation
-accuracy); the teacher is the same SFT run on to ``--teacher-stop`` (0.7) validation accuracy, then
+accuracy); the teacher is the same SFT run on to ``--teacher-stop`` (0.95) validation accuracy, then
 one GRPO step (its ``stage1_12/final/hf`` export is the teacher checkpoint). From the student, the
 demo's first GRPO stage (64 prompts x 8 samples, max response 12 tokens) runs ``--steps`` steps
 
 - ``plain``:   the demo's GRPO objective,
-- ``distill``: the same plus ``algo.distill.coef=--coef`` (mode ``--mode``) with the teacher,
+- ``add``:     the same plus ``algo.distill.coef=--coef`` with the teacher (reward advantage + teacher),
+- ``replace``: pure on-policy distillation (``algo.distill.mode=replace``, filtering off: every group
+  carries the teacher's signal),
 
 for each of ``--seeds``; same data, same held-out set (``--eval-size`` problems, greedy). Prints
 per run the held-out accuracy after the stage and the last step's reverse KL to the teacher; the
 last line is one JSON object: ``{"accuracy_student_start", "accuracy_teacher", "accuracy_plain",
-"accuracy_distill", "paired_gain_points", ...}`` (means over seeds).
+"accuracy_add", "paired_gain_add_points", "accuracy_replace", ...}`` (means over seeds).
 
     python benchmarks/distillation.py [--steps 30] [--seeds 1 2] [--work runs/bench_distill]
 
@@ -76,33 +78,35 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     p.add_argument("--eval-size", type=int, default=500)
-    p.add_argument("--teacher-stop", type=float, default=0.7)
+    p.add_argument("--teacher-stop", type=float, default=0.95)
     p.add_argument("--coef", type=float, default=1.0)
-    p.add_argument("--mode", choices=("add", "replace"), default="add")
+    p.add_argument("--modes", nargs="+", choices=("add", "replace"), default=["add", "replace"])
     p.add_argument("--work", type=Path, default=REPO / "runs" / "bench_distill")
     args = p.parse_args()
     print(f"load average before: {loadavg()}", flush=True)
     student = sft_run(args.work, "student", args.eval_size, [])
-    teacher = sft_run(args.work, "teacher", args.eval_size,
-                      [f"sft.stop_accuracy={args.teacher_stop}", "sft.max_steps=2500", "sft.slow_down_at=1.0"])
+    teacher_name = "teacher" if args.teacher_stop == 0.7 else f"teacher_stop{args.teacher_stop:g}"
+    teacher = sft_run(args.work, teacher_name, args.eval_size,
+                      [f"sft.stop_accuracy={args.teacher_stop}", "sft.max_steps=4000", "sft.slow_down_at=1.0"])
     teacher_hf = teacher / STAGE / "final" / "hf"
     acc_student, acc_teacher = accuracy(student, "start"), accuracy(teacher, STAGE)
     print(f"held-out accuracy: student (SFT) {acc_student:.3f}, teacher {acc_teacher:.3f}", flush=True)
     data = student / "data"
     runs: dict[tuple[str, int], dict] = {}
+    kinds = ["plain", *args.modes]
     for seed in args.seeds:
-        for kind in ("plain", "distill"):
-            run = args.work / f"{kind}_coef{args.coef:g}_{args.mode}_seed{seed}" if kind == "distill" \
-                else args.work / f"plain_seed{seed}"
+        for kind in kinds:
+            run = args.work / (f"plain_seed{seed}" if kind == "plain" else
+                               f"distill_{teacher_name}_coef{args.coef:g}_{kind}_seed{seed}")
             if not (run / STAGE / "final" / "trainer_state.json").exists():
                 over = ["sft.enabled=false", f"trainer.init_from={student / 'sft' / 'final'}", f"trainer.seed={seed}",
                         f"model.path={student / 'base_model'}", "synthetic.enabled=false",
                         f"data.train_path={data / 'train.jsonl'}", f"eval.path={data / 'eval.jsonl'}",
                         f"stages.0.max_steps={args.steps}", "eval.every=0"]
-                if kind == "distill":
-                    over += [f"algo.distill.coef={args.coef}", f"algo.distill.mode={args.mode}",
+                if kind != "plain":
+                    over += [f"algo.distill.coef={args.coef}", f"algo.distill.mode={kind}",
                              f"algo.distill.teacher={teacher_hf}"]
-                    if args.mode == "replace":
+                    if kind == "replace":
                         over.append("algo.filter_zero_variance_groups=false")
                 s = train(run, over)
                 print(f"  {kind} seed {seed}: {s:.0f} s (load {loadavg()})", flush=True)
@@ -115,16 +119,17 @@ def main() -> None:
             print(f"  {kind} seed {seed}: held-out {runs[kind, seed]['accuracy']:.3f}, "
                   f"reward (last 10 steps) {runs[kind, seed]['reward_last10']:.3f}, reverse KL at the last "
                   f"step {runs[kind, seed]['reverse_kl_last']}", flush=True)
-    gains = [runs["distill", s]["accuracy"] - runs["plain", s]["accuracy"] for s in args.seeds]
     out = {"accuracy_student_start": acc_student, "accuracy_teacher": acc_teacher,
-           "accuracy_plain": statistics.mean(runs["plain", s]["accuracy"] for s in args.seeds),
-           "accuracy_distill": statistics.mean(runs["distill", s]["accuracy"] for s in args.seeds),
-           "paired_gain_points": [round(100 * g, 1) for g in gains],
-           "mean_gain_points": 100 * statistics.mean(gains), "steps": args.steps, "seeds": args.seeds,
-           "coef": args.coef, "mode": args.mode, "eval_n": args.eval_size,
-           "wall_plain_s": statistics.mean(runs["plain", s]["wall_s"] for s in args.seeds),
-           "wall_distill_s": statistics.mean(runs["distill", s]["wall_s"] for s in args.seeds),
-           "load": loadavg()}
+           "teacher_stop": args.teacher_stop, "steps": args.steps, "seeds": args.seeds, "coef": args.coef,
+           "eval_n": args.eval_size}
+    for kind in kinds:
+        out[f"accuracy_{kind}"] = statistics.mean(runs[kind, s]["accuracy"] for s in args.seeds)
+        out[f"wall_{kind}_s"] = statistics.mean(runs[kind, s]["wall_s"] for s in args.seeds)
+        if kind != "plain":
+            gains = [runs[kind, s]["accuracy"] - runs["plain", s]["accuracy"] for s in args.seeds]
+            out[f"paired_gain_{kind}_points"] = [round(100 * g, 1) for g in gains]
+            out[f"mean_gain_{kind}_points"] = 100 * statistics.mean(gains)
+    out["load"] = loadavg()
     print(json.dumps(out))
 
 
