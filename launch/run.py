@@ -38,10 +38,36 @@ def _nemorun_home(cfg: LaunchConfig, run_dir: Path) -> Path:
     return Path(os.environ.get("NEMORUN_HOME") or run_dir / "nemorun").absolute()
 
 
-def _prepare(cfgs: list[LaunchConfig]):
+def _home_source(cfg: LaunchConfig) -> str:
+    """Where NEMORUN_HOME comes from (the key a refusal names)."""
+    if cfg.job_dir:
+        return "job_dir"
+    return "NEMORUN_HOME" if os.environ.get("NEMORUN_HOME") else "run_dir"
+
+
+def _make_dir(cfg: LaunchConfig, key: str, path: Path, create: bool = True) -> None:
+    """Create ``path`` (and its parents) or refuse naming ``key``; ``create=False`` (a dry run): only
+    check that it could be (its nearest existing parent is a directory this user can write)."""
+    if not create:
+        here = path
+        while not here.exists() and here != here.parent:
+            here = here.parent
+        if path.is_dir() or (here.is_dir() and os.access(here, os.W_OK | os.X_OK)):
+            return
+        why = "Not a directory" if not here.is_dir() else "Permission denied"
+        cfg.fail(key, f"cannot create the directory {path}: {why} ({here})")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        cfg.fail(key, f"cannot create the directory {path}: {exc.strerror or exc}")
+
+
+def _prepare(cfgs: list[LaunchConfig], make_home: bool = True, make_run_dirs: bool = True):
     """Validated configs (one per stage) -> (stage names, [(tasks, executors)]), NEMORUN_HOME set: per
     stage one task, or with dedicated engines a trainer group and an engine group (one
-    heterogeneous job)."""
+    heterogeneous job). The job directory and the run directories are created (``make_home`` /
+    ``make_run_dirs``; else only checked that they could be) or refused naming the key, before
+    anything is written or submitted."""
     stages, jobs, homes = [], [], set()
     for cfg in cfgs:
         cfg.validate()
@@ -60,6 +86,9 @@ def _prepare(cfgs: list[LaunchConfig]):
     if len(homes) != 1:
         cfgs[0].fail("job_dir", f"the stages of one launch need one NEMORUN_HOME, got {sorted(map(str, homes))}")
     home = homes.pop()
+    _make_dir(cfgs[0], _home_source(cfgs[0]), home, create=make_home)
+    for cfg, _, run_dir in jobs:
+        _make_dir(cfg, "run_dir", run_dir, create=make_run_dirs)
     os.environ["NEMORUN_HOME"] = str(home)
     import nemo_run.config
 
@@ -81,7 +110,8 @@ def _dryrun_info(job):
 
 def dry_run(cfgs: list[LaunchConfig]) -> str:
     """The sbatch scripts NeMo-Run would submit (Slurm), or the commands it would run (local)."""
-    stages, jobs = _prepare(cfgs)
+    # (NeMo-Run's Slurm dry run writes the experiment under NEMORUN_HOME; the local one writes nothing)
+    stages, jobs = _prepare(cfgs, make_home=cfgs[0].executor == "slurm", make_run_dirs=False)
     if cfgs[0].executor == "local":
         return "\n".join(" ".join(["bash", tasks[0].path, *tasks[0].args]) for tasks, _ in jobs)
     import nemo_run as run
@@ -99,8 +129,6 @@ def launch(cfgs: list[LaunchConfig]) -> int:
     stages, jobs = _prepare(cfgs)
     import nemo_run as run
 
-    for cfg in cfgs:
-        resolve_stage(cfg)[1].mkdir(parents=True, exist_ok=True)
     detach = cfgs[0].executor == "slurm"
     with run.Experiment(_experiment_title(cfgs[0], stages), executor=jobs[0][1][0], log_level="WARN") as exp:
         for stage, (tasks, executors) in zip(stages, jobs):
@@ -153,6 +181,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[LaunchConfig], bool]
     stages = [s.strip().removeprefix("stage") for s in a.stage.split(",")]
     if not all(s.isdigit() for s in stages):
         p.error(f"--stage must be stage1, stage2 or stage3 (comma-separated for several), got {a.stage!r}")
+    if len(stages) > 1 and [int(s) for s in stages] != sorted({int(s) for s in stages}):
+        p.error(f"--stage: chained stages run in order, each once (each starts from the one before), got {a.stage!r}")
     if len(stages) > 1 and a.stage_name:
         p.error("--stage-name names one stage; give one --stage with it")
     env = {}

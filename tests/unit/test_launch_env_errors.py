@@ -142,12 +142,23 @@ def test_launch_scripts_every_variable_read_is_checked(script):
      ("'time'", "must be a Slurm time limit", "'two days'")),
     (["--stage", "1", "--executor", "slurm", "--dry-run", "--nodes", "4", "--venv", "/no/venv"],
      ("'venv'", "no virtualenv at '/no/venv'")),
+    (["--stage", "1", "--executor", "slurm", "--dry-run", "--nodes", "4", "--job-dir", "TMP/a_file/jobs"],
+     ("'job_dir'", "cannot create the directory", "a_file/jobs: Not a directory")),
+    (["--stage", "1", "--executor", "slurm", "--dry-run", "--nodes", "4", "--run-dir", "TMP/a_file/run"],
+     ("'run_dir'", "cannot create the directory", "a_file/run/nemorun: Not a directory")),
+    (["--stage", "1", "--executor", "local", "--config", DEMO, "--run-dir", "TMP/a_file/run", "--job-dir", "TMP/jobs"],
+     ("'run_dir'", "cannot create the directory", "a_file/run: Not a directory")),
+    (["--stage", "2,1", "--executor", "slurm", "--dry-run", "--nodes", "4"],
+     ("--stage: chained stages run in order, each once", "'2,1'")),
+    (["--stage", "1,1", "--executor", "slurm", "--dry-run", "--nodes", "4"], ("each once", "'1,1'")),
 ])
 def test_launch_run_checks_the_layout_before_it_prints(capsys, monkeypatch, tmp_path, argv, says):
     from launch.run import main
 
     monkeypatch.chdir(tmp_path)
-    code = main(argv)
+    monkeypatch.delenv("NEMORUN_HOME", raising=False)
+    (tmp_path / "a_file").write_text("")  # where a directory should be
+    code = main([a.replace("TMP", str(tmp_path)) for a in argv])
     out, err = capsys.readouterr()
     check_one_line(code, out, err, *says)
     assert "#SBATCH" not in out and out.strip() == ""
