@@ -53,6 +53,7 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
     """The entry point of a run: config, CPU shim and Megatron fixes, process groups, the demo's
     inputs, the trainer's parts, signal handlers, then the stages."""
     from megatron_rl.compat import apply_compat
+    from megatron_rl.config.base import make_dir
     from megatron_rl.demo import prepare_inputs
     from megatron_rl.models import init_distributed
     from megatron_rl.tracking.logs import hidden_warnings, route_logs
@@ -74,6 +75,7 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
         logging.getLogger("megatron_rl").info("%s: %s already finished; nothing to do", cfg.trainer.run_dir,
                                               f"stage {stage}" if stage else "every stage")
         return 0
+    make_dir(cfg.trainer.run_dir, "trainer.run_dir", "the run directory")  # before the world starts
     apply_compat()  # the one call: the CPU shim (a no-op with CUDA) and the Megatron fixes
     groups = init_distributed(cfg.policy.parallel, seed=cfg.policy.seed)
     logs = route_logs(cfg.trainer.run_dir, verbose=cfg.tracking.console_libraries, rank=groups.rank)
@@ -104,8 +106,9 @@ def _engines(config: str, run_dir: str | None, node: str | None, host: str | Non
     import time
 
     from megatron_rl.common.errors import InputError
+    from megatron_rl.config.base import make_dir
     from megatron_rl.demo import tiny_model_dir
-    from megatron_rl.trainer.engines import node_launcher
+    from megatron_rl.trainer.engines import node_launcher, registry_dir
     from megatron_rl.trainer.schema import load_run_config
 
     if run_dir:
@@ -115,6 +118,8 @@ def _engines(config: str, run_dir: str | None, node: str | None, host: str | Non
         raise InputError(f"engines: the config runs rollout.engine={cfg.rollout.engine!r} (in the "
                          "trainer's process); nothing to launch")
     check_engine_node(node, host, count)
+    make_dir(cfg.trainer.run_dir, "trainer.run_dir", "the run directory")  # before any wait or server
+    make_dir(registry_dir(cfg), "rollout.registry_dir", "the engine registry")
     model_path = cfg.model.path or str(tiny_model_dir(cfg.trainer.run_dir))
     deadline = time.monotonic() + cfg.rollout.start_timeout_s
     # the demo's tiny model is written by the trainer's rank 0; tiny_spec.json is its last file

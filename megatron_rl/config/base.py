@@ -43,6 +43,24 @@ class ConfigError(InputError, ValueError):
         super().__init__(f"config key '{key}'{where}: {message}")
 
 
+def make_dir(path, key: str, what: str = "the directory") -> None:
+    """Create the directory a config key names (and its parents), or refuse naming the key: a file
+    where a directory goes, no permission, a read-only file system. Before anything is built or
+    started, so a run that could not write there stops with one line."""
+    import os
+    from pathlib import Path
+
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(key, f"{what} {path} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(key, f"cannot create {what} {path}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(key, f"cannot write in {what} {path}: Permission denied")
+
+
 _NONE_TYPE = type(None)
 
 
