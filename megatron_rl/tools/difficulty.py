@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -157,6 +158,18 @@ def check_fits(need: int, model_path: str, what: str) -> None:
                                         f"or drop long prompts with data.max_prompt_len")
 
 
+def check_writable(path: Path, option: str) -> None:
+    """``path`` can be written: its directory made (or there), the file itself none or a file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"{path} ({option}): cannot create its directory: {exc.strerror or exc}") from None
+    if path.is_dir():
+        raise DataError(f"{path} ({option}): is a directory, not a file")
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise DataError(f"{path} ({option}): cannot write there: Permission denied")
+
+
 def run(data_path: str, model_path: str, out_path: str, summary_path: str | None,
         cfg: DifficultyConfig, engine=None) -> dict:
     """Label a dataset end to end; ``engine`` defaults to ``make_engine(model_path, cfg.rollout)``."""
@@ -170,6 +183,9 @@ def run(data_path: str, model_path: str, out_path: str, summary_path: str | None
             raise DataError(f"{what}: no such file or directory: {path}")
     if Path(out_path).suffix not in (".parquet", ".jsonl", ".ndjson"):
         raise DataError(f"{out_path}: the annotated copy is written as .jsonl or .parquet")
+    summary_path = summary_path or str(Path(out_path).with_suffix("")) + ".summary.json"
+    for option, path in (("--out", out_path), ("--summary", summary_path)):
+        check_writable(Path(path), option)  # before the engine runs, not after
     t0 = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     records, stats = load_prompts(data_path, tokenizer, cfg.data)
@@ -192,7 +208,6 @@ def run(data_path: str, model_path: str, out_path: str, summary_path: str | None
     summary = summarize(records, labels, cfg, {"data": str(data_path), "model": str(model_path),
                                                "load_stats": stats, "rows_written": written,
                                                "seconds": time.monotonic() - t0})
-    summary_path = summary_path or str(Path(out_path).with_suffix("")) + ".summary.json"
     Path(summary_path).write_text(json.dumps(summary, indent=2, ensure_ascii=False))
     log.info("difficulty: %s -> %s (%s)", data_path, out_path, summary["labels"])
     return summary

@@ -69,6 +69,17 @@ def test_data_difficulty_errors(capsys, tmp_path, tiny_llama):
     _one_line(capsys, [*base, "--data", str(data)], str(data), "row 2", "UTF-8")
     _one_line(capsys, ["data", "difficulty", "--model", tiny_llama, "--out", str(tmp_path / "o.csv"),
                        "--data", str(data)], "o.csv")
+    # where the output cannot be written: said before the engine runs, not after (issue 27)
+    (tmp_path / "a_file").write_text("")
+    good = tmp_path / "g.jsonl"
+    good.write_text('{"prompt": "ok", "reward_model": {"ground_truth": "1"}}\n')
+    (tmp_path / "dir.jsonl").mkdir()
+    for target, says in (("a_file/o.jsonl", ("a_file/o.jsonl (--out)", "cannot create its directory")),
+                         ("dir.jsonl", ("dir.jsonl (--out)", "is a directory"))):
+        _one_line(capsys, ["data", "difficulty", "--model", tiny_llama, "--data", str(good), "--out",
+                           str(tmp_path / target)], *says)
+    _one_line(capsys, ["data", "difficulty", "--model", tiny_llama, "--data", str(good), "--out", out,
+                       "--summary", str(tmp_path / "a_file" / "s.json")], "s.json (--summary)", "cannot create")
 
 
 def test_analyze_not_a_run_dir(capsys, tmp_path):
