@@ -64,9 +64,7 @@ mrl_check_env() {  # every variable this file reads, checked for its type before
   mrl_need_int SLURM_GPUS_ON_NODE 0
   mrl_need_int SLURM_CPUS_ON_NODE 1
   mrl_need_words MASTER_ADDR
-  if [ -n "${RUN_DIR:-}" ] && [ -e "$RUN_DIR" ] && [ ! -d "$RUN_DIR" ]; then
-    _mrl_refuse "RUN_DIR: not a directory: $RUN_DIR"
-  fi
+  mrl_need_dir_path RUN_DIR
   local name
   for name in MODEL_PATH INIT_FROM; do  # (a relative path is the trainer's to find, from the checkout)
     case "${!name:-}" in /*) mrl_need_dir "$name" "directory" ;; esac
@@ -201,6 +199,9 @@ mrl_main() {
   [ -z "$split_error" ] || { mrl_fail "$split_error"; return 2; }
   if [ -n "${RUN_DIR:-}" ]; then run_dir="$(mrl_abs "$RUN_DIR" "$submit")"
   else run_dir="$(mrl_abs "$config_run_dir" "$home")"; fi
+  if [ "${DRY_RUN:-0}" != 1 ] && ! mkdir -p "$run_dir" 2>/dev/null; then
+    mrl_fail "cannot create the run directory $run_dir (RUN_DIR, else the config's trainer.run_dir)"; return 2
+  fi
 
   # --- the trainer command ------------------------------------------------------------------------
   local common_args=(--config "$config" --run-dir "$run_dir")
@@ -264,7 +265,6 @@ mrl_main() {
     [ "${#engine_cmd[@]}" -gt 0 ] && { printf '%q ' "${engine_cmd[@]}"; echo; }
     printf '%q ' "${full[@]}"; echo; return 0
   fi
-  mkdir -p "$run_dir"
   export VENV="${VENV:-}" LAUNCHER="${LAUNCHER:-torchrun}"
   cd "$home" || return 2
 

@@ -9,6 +9,7 @@
 #   mrl_need_choice NAME CHOICE...    NAME, when set, is one of the choices
 #   mrl_need_dir NAME [WHAT]          NAME, when set, is an existing directory
 #   mrl_need_file NAME                NAME, when set, is an existing file
+#   mrl_need_dir_path NAME            NAME, when set, is a directory or can be made one (no file in its way)
 #   mrl_need_venv                     VENV, when set, is a virtualenv (bin/activate, bin/python)
 #   mrl_need_words NAME               NAME, when set, holds no characters a host list cannot
 #   mrl_env_ok                        0 when no check above failed since the last call (then resets)
@@ -56,6 +57,17 @@ mrl_need_dir() {
   [ -n "${!name:-}" ] || return 0
   value="${!name}"
   [ -d "$value" ] || { _mrl_refuse "$name: no such $what: $value"; return 1; }
+}
+
+mrl_need_dir_path() {
+  local name="$1" value here
+  [ -n "${!name:-}" ] || return 0
+  value="${!name}"
+  here="$value"
+  while [ ! -e "$here" ] && [ "$here" != "$(dirname "$here")" ]; do here="$(dirname "$here")"; done
+  if [ -e "$here" ] && [ ! -d "$here" ]; then
+    _mrl_refuse "$name: cannot be a directory: $here is a file (${name}=$value)"; return 1
+  fi
 }
 
 mrl_need_file() {

@@ -30,9 +30,7 @@ mrl_need_choice ROLLOUT_PLACEMENT colocated dedicated || true
 for name in MODEL_PATH INIT_FROM; do  # (a relative path is the trainer's to find, from the checkout)
   case "${!name:-}" in /*) mrl_need_dir "$name" "directory" || true ;; esac
 done
-if [ -n "${RUN_DIR:-}" ] && [ -e "$RUN_DIR" ] && [ ! -d "$RUN_DIR" ]; then
-  _mrl_refuse "RUN_DIR: not a directory: $RUN_DIR"
-fi
+mrl_need_dir_path RUN_DIR || true
 if [ -n "${TIME:-}" ] && ! [[ "$TIME" =~ ^([0-9]+(-[0-9]+)?(:[0-9]+){0,2}|UNLIMITED|unlimited|INFINITE|infinite)$ ]]; then
   _mrl_refuse "TIME must be a Slurm time limit (minutes, [D-]HH:MM:SS, ...), got '$TIME'"
 fi
