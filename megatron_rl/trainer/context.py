@@ -132,6 +132,7 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
             run.recover()  # what a save killed mid-way left behind
             train_records, sft_records, eval_records = load_run_data(cfg, tokenizer, max_positions)
             check_external_servers(cfg, model_path)
+            check_model_dirs(cfg, run)
         except InputError as exc:
             problem = exc
     raise_agreed(problem, groups, "rank 0's start-up checks (data, run directory, external servers)")
@@ -180,6 +181,29 @@ def raise_agreed(problem: Exception | None, groups: ParallelGroups, what: str) -
             problem = InputError(message) if user else RuntimeError(f"rank 0 failed in {what}: {message}")
     if problem is not None:
         raise problem
+
+
+def check_model_dirs(cfg: RunConfig, run: RunDir) -> None:
+    """The checkpoint and model directories a later stage reads, checked at start-up: a wrong path
+    stops the run before the SFT cold start or a stage trains, not when the stage that reads it
+    begins. ``trainer.init_from`` (while the first stage has not started) a complete checkpoint;
+    ``policy.reference.path`` (with the KL term) and ``algo.distill.teacher`` (with distillation) a
+    readable ``config.json``."""
+    from megatron_rl.models.hf_config import HFModelError, read_hf_config
+    from megatron_rl.trainer.state import STATE_FILE, CheckpointError
+
+    first = cfg.stages[0].name
+    if cfg.trainer.init_from and not (RunDir.is_complete(run.final_dir(first)) or run.step_checkpoints(first)):
+        if not RunDir.is_complete(Path(cfg.trainer.init_from)):
+            raise CheckpointError(f"trainer.init_from={cfg.trainer.init_from} is not a complete checkpoint "
+                                  f"(no {STATE_FILE})")
+    for key, path in (("policy.reference.path", cfg.policy.reference.path if cfg.algo.kl.enabled else ""),
+                      ("algo.distill.teacher", cfg.algo.distill.teacher if cfg.algo.distill.enabled else "")):
+        if path:
+            try:
+                read_hf_config(path)
+            except HFModelError as exc:
+                raise HFModelError(f"{key}: {exc}") from None
 
 
 def load_run_data(cfg: RunConfig, tokenizer, max_positions: int | None = None

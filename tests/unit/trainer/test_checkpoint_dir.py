@@ -180,3 +180,36 @@ def test_a_written_checkpoint_lists_every_file_and_any_changed_byte_is_found(tmp
             assert problem is not None and str(f) in problem, (rel, problem)
         f.write_bytes(original)
         assert checkpoint_damage(ckpt) is None
+
+
+def test_start_up_checks_the_checkpoint_and_models_later_stages_read(tmp_path, tiny_llama):
+    """trainer.init_from, the KL reference and the distillation teacher are read when a stage
+    begins (after the SFT cold start): a wrong path is refused at start-up instead, naming the key;
+    init_from only while the first stage has not started (a resumed run no longer reads it)."""
+    from megatron_rl.models.hf_config import HFModelError
+    from megatron_rl.trainer.context import check_model_dirs
+    from megatron_rl.trainer.schema import load_run_config
+
+    demo = str(Path(__file__).resolve().parents[3] / "configs" / "demo_cpu.yaml")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+
+    def check(*overrides):
+        cfg = load_run_config(demo, [f"trainer.run_dir={tmp_path / 'run'}", *overrides])
+        check_model_dirs(cfg, RunDir(cfg.trainer.run_dir))
+        return cfg
+
+    check(f"trainer.init_from={fake_checkpoint(tmp_path / 'good', 5)}")
+    with pytest.raises(CheckpointError, match=r"trainer.init_from=.*empty is not a complete checkpoint"):
+        check(f"trainer.init_from={tmp_path / 'empty'}")
+    cfg = load_run_config(demo, [f"trainer.run_dir={tmp_path / 'run'}"])
+    fake_checkpoint(RunDir(tmp_path / "run").step_dir(cfg.stages[0].name, 3), 3)
+    check(f"trainer.init_from={tmp_path / 'empty'}")  # the first stage has started: not read again
+    check("algo.kl.enabled=true", f"policy.reference.path={tiny_llama}",
+          "algo.distill.coef=1", f"algo.distill.teacher={tiny_llama}")
+    for overrides, key in (
+            (["algo.kl.enabled=true", f"policy.reference.path={tmp_path / 'empty'}"], "policy.reference.path"),
+            (["algo.distill.coef=1", f"algo.distill.teacher={tmp_path / 'bad'}"], "algo.distill.teacher")):
+        with pytest.raises(HFModelError, match=rf"^{key}: .*(does not exist|not valid JSON)"):
+            check(*overrides)
