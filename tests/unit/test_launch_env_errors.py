@@ -190,15 +190,17 @@ def test_launch_the_node_launcher_checks_its_own_inputs(capsys, monkeypatch, arg
     (["train", "--config", DEMO, "--run-dir", "TMP/a_file/run"],
      ("'trainer.run_dir'", "cannot create the run directory", "a_file/run: Not a directory")),
     (["train", "--config", DEMO, "--run-dir", "TMP/a_file"], ("'trainer.run_dir'", "a_file is a file, not a directory")),
-    (["engines", "--config", DEMO, "rollout.engine=vllm_server", "sync.transport=gloo", "--run-dir", "TMP/a_file/run"],
+    (["engines", "--config", DEMO, "rollout.engine=vllm_server", "sync.transport=gloo", "rollout.start_timeout_s=1",
+      "--run-dir", "TMP/a_file/run"],
      ("'trainer.run_dir'", "a_file/run: Not a directory")),
-    (["engines", "--config", DEMO, "rollout.engine=vllm_server", "sync.transport=gloo",
+    (["engines", "--config", DEMO, "rollout.engine=vllm_server", "sync.transport=gloo", "rollout.start_timeout_s=1",
       "rollout.registry_dir=TMP/a_file/engines", "--run-dir", "TMP/run"],
      ("'rollout.registry_dir'", "cannot create the engine registry", "a_file/engines: Not a directory")),
 ])
 def test_launch_a_run_dir_that_cannot_be_made_is_one_line_before_anything_starts(capsys, tmp_path, argv, says):
     """The trainer and the node launcher make their directories first (the trainer: before its
-    world starts; the launcher: before it waits for the model or starts a server)."""
+    world starts; the launcher: before it waits for the model or starts a server; start_timeout_s=1
+    bounds that wait were the check missing)."""
     from megatron_rl.cli import main
 
     (tmp_path / "a_file").write_text("")  # where a directory should be
