@@ -89,7 +89,8 @@ class VLLMEngine(RolloutEngine):
 
     @staticmethod
     def requests(prompt_ids: list[list[int]], sampling: SamplingSpec) -> tuple[list, list]:
-        """vLLM prompts and sampling parameters (prompt i seeded with ``sampling.prompt_seed(i)``)."""
+        """vLLM prompts and sampling parameters (prompt i seeded with ``sampling.prompt_seed(i)``, at most
+        ``sampling.prompt_max_tokens(i)`` tokens)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -98,7 +99,7 @@ class VLLMEngine(RolloutEngine):
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k > 0 else 0,
-            max_tokens=sampling.max_tokens,
+            max_tokens=sampling.prompt_max_tokens(i),
             seed=sampling.prompt_seed(i),
             logprobs=0,
             stop_token_ids=list(sampling.stop_token_ids) or None,

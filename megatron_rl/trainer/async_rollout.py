@@ -43,7 +43,7 @@ from megatron_rl.rollout import Completion, RolloutConfig, RolloutEngine, Sampli
 from megatron_rl.rollout.streaming import BackgroundGenerate, GroupStream
 from megatron_rl.trainer.config import StageConfig
 from megatron_rl.trainer.context import Context
-from megatron_rl.trainer.phases import Rollout, reward_item, sampling_seed
+from megatron_rl.trainer.phases import Rollout, answer_text, reward_item, sampling_seed
 from megatron_rl.trainer.state import TrainerState
 
 log = logging.getLogger("megatron_rl")
@@ -61,7 +61,8 @@ def open_rollouts(ctx: Context, stage: StageConfig, state: TrainerState,
     cfg = ctx.cfg
     rollouts = RolloutScheduler(ctx.engine, loader, ctx.reward_mgr, cfg.rollout, cfg.algo,
                                 run_seed=cfg.trainer.seed, max_response_len=stage.max_response_len,
-                                step=state.step, sample_log=ctx.run.root / SAMPLE_LOG, stage=stage.name)
+                                step=state.step, sample_log=ctx.run.root / SAMPLE_LOG, stage=stage.name,
+                                envs=ctx.envs)
     if rollouts.restore(ctx.run.latest_step_checkpoint(stage.name), state.weight_version,
                         state.global_step, state.step):
         log.info("stage %s: %d groups generated before the checkpoint, %d redrawn", stage.name,
@@ -127,10 +128,12 @@ class RolloutScheduler:
 
     def __init__(self, engine: RolloutEngine, loader: PromptLoader, reward_mgr: RewardManager,
                  r: RolloutConfig, algo: AlgoConfig, *, run_seed: int, max_response_len: int,
-                 step: int = 0, sample_log: Path | None = None, stage: str = ""):
+                 step: int = 0, sample_log: Path | None = None, stage: str = "", envs=None):
         """``step``: the stage's next step (its wave is the first to draw). ``sample_log``: a JSONL
         file that gets, per step with rollout.async on, the weight versions (oldest, newest token)
-        of every response trained on."""
+        of every response trained on. ``envs``: the run's environments
+        (:class:`~megatron_rl.envs.Environments`; prompts with one are sampled as multi-turn
+        trajectories)."""
         self.r, self.algo, self.run_seed = r, algo, run_seed
         self.sample_log, self.stage = sample_log, stage
         self.acfg = r.async_
@@ -141,6 +144,10 @@ class RolloutScheduler:
         if self.acfg.needs_streaming and not (self.stream.keeps_in_flight and self.stream.can_abort):
             raise ValueError(f"rollout.async: partial_rollout / oversample need an engine that loads weights "
                              f"with requests in flight; {type(engine).__name__} cannot")
+        if envs is not None:  # multi-turn trajectories for the prompts with an environment
+            from megatron_rl.rollout.multi_turn import MultiTurnStream
+
+            self.stream = MultiTurnStream(self.stream, envs, record_of=self._record_of)
         self.n = r.rollout_batch_size
         self.per_wave = self.n + round(self.n * self.acfg.oversample)
         self.next_wave = step  # the first wave not dispatched yet
@@ -232,8 +239,11 @@ class RolloutScheduler:
             self.stream.abort(list(self.in_flight))
         elif self.in_flight:
             self.before_sync()
-        if isinstance(self.stream, BackgroundGenerate):
+        inner = getattr(self.stream, "inner", None)
+        if inner is not None:  # the multi-turn loop over the engine's stream
             self.stream.close()
+        if isinstance(inner or self.stream, BackgroundGenerate):
+            (inner or self.stream).close()
         self.in_flight.clear()
         self.done, self.ready = [], []
 
@@ -320,6 +330,10 @@ class RolloutScheduler:
             self.stream.submit([self.loader.records[g.record].prompt_ids for g in run], spec,
                                [g.tag for g in run], self._inbox.put)
 
+    def _record_of(self, tag):
+        """The record a submitted prompt comes from (the multi-turn loop resolves its environment)."""
+        return self.loader.records[self.in_flight[tag].record]
+
     def _receive(self, block: bool) -> None:
         """Move delivered groups from the engine's thread into ``done`` (arrival order)."""
         timeout = self.r.timeout_s
@@ -342,7 +356,7 @@ class RolloutScheduler:
 
     def _score(self, groups: list[Group]) -> None:
         records = self.loader.records
-        items = [reward_item(records[g.record], c.text) for g in groups for c in g.completions]
+        items = [reward_item(records[g.record], answer_text(c)) for g in groups for c in g.completions]
         scores, metrics, details = self.reward_mgr.score(items, return_details=True)
         self._step.reward_calls.append((metrics, details))
         self._step.generated += len(groups)
@@ -419,4 +433,4 @@ def _completion_dict(c: Completion) -> dict:
     return {"token_ids": list(c.token_ids), "logprobs": list(c.logprobs), "text": c.text,
             "finish_reason": c.finish_reason, "truncated": bool(c.truncated),
             "weight_version": int(c.weight_version), "version_spans": [list(s) for s in c.version_spans],
-            "extra": dict(c.extra)}
+            "loss_mask": list(c.loss_mask), "extra": dict(c.extra)}

@@ -171,12 +171,14 @@ def add_logprobs(policy: MegatronPolicy, reference: ReferencePolicy | None, batc
     if needs_old_logprobs(a, batch, version):
         logp, _ = policy.compute_logprobs(batch, temperature, with_entropy=False)
         batch.token_fields["old_logp"] = logp
-        gap = [(lp - rl).abs().mean().item() for lp, rl in zip(logp, batch.token_fields["rollout_logp"])]
+        trained = [batch.trained(i) for i in range(len(batch))]  # tool observations have no log-probs
+        gap = [(lp - rl)[m].abs().mean().item()
+               for lp, rl, m in zip(logp, batch.token_fields["rollout_logp"], trained) if m.any()]
         metrics["rollout/train_infer_logp_gap"] = sum(gap) / max(1, len(gap))
         versions = batch.token_fields.get("weight_version")
         if versions is not None and any(bool((v != version).any()) for v in versions):
             metrics.update(logp_gap_by_staleness(logp, batch.token_fields["rollout_logp"], versions,
-                                                 version))
+                                                 version, trained))
     if a.kl.enabled:
         if reference is None:
             raise RuntimeError("algo.kl.enabled needs the reference policy "
@@ -187,10 +189,15 @@ def add_logprobs(policy: MegatronPolicy, reference: ReferencePolicy | None, batc
     return metrics
 
 
-def logp_gap_by_staleness(logp: list, rollout_logp: list, versions: list, version: int) -> dict:
-    """Mean |trainer - engine| log-prob over the tokens sampled ``d`` versions ago, for each ``d``."""
+def logp_gap_by_staleness(logp: list, rollout_logp: list, versions: list, version: int,
+                          trained: list | None = None) -> dict:
+    """Mean |trainer - engine| log-prob over the tokens sampled ``d`` versions ago, for each ``d``
+    (``trained``: per sequence, the tokens the model sampled; None: all)."""
+    keep = torch.cat(trained) if trained is not None else None
     diff = torch.cat([(lp - rl).abs() for lp, rl in zip(logp, rollout_logp)])
     stale = torch.cat([version - v for v in versions])
+    if keep is not None:
+        diff, stale = diff[keep], stale[keep]
     return {f"async/logp_gap_staleness_{d}": diff[stale == d].mean().item() for d in stale.unique().tolist()}
 
 

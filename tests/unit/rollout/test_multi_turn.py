@@ -1,0 +1,321 @@
+"""The multi-turn rollout loop (``rollout/multi_turn.py``) with the built-in environments, against a
+scripted engine (pure logic; the real engines are in tests/integration/rollout/test_multi_turn_vllm.py
+and test_fleet.py).
+
+References: the tokenizer's own chat template rendering the whole conversation (the trajectory's
+tokens must be exactly what it renders, with no re-tokenization of the sampled turns); what the
+engine was sent (each turn's prompt is the trajectory so far); the seeds' rule written out.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+
+from megatron_rl.data.dataset import PromptRecord
+from megatron_rl.demo.tiny import build_char_tokenizer
+from megatron_rl.envs import Environments, EnvConfig, Environment, StepResult, register_env
+from megatron_rl.envs.registry import ENVIRONMENTS
+from megatron_rl.rollout import Completion, RolloutEngine, SamplingSpec
+from megatron_rl.rollout.multi_turn import MultiTurnStream, generate, turn_seed
+from megatron_rl.rollout.streaming import BackgroundGenerate
+
+TOK = build_char_tokenizer()
+EOS = TOK.eos_token_id
+
+
+def _prompt(question: str) -> list[int]:
+    return list(TOK.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                        tokenize=True)["input_ids"])
+
+
+def _record(a: int, b: int, env: str = "calculator", i: int = 0) -> PromptRecord:
+    q = f"{a}*{b}="
+    return PromptRecord(prompt_ids=_prompt(q), prompt_text=q, ground_truth=str(a * b), style="boxed_final",
+                        data_source="mult", uid=f"u{i}", row=i + 1, env=env)
+
+
+def calculator_policy(prompt: str, seed, j) -> str:
+    """Calls the calculator on the question, then boxes the last observation."""
+    a, b = re.search(r"Q:(\d+)\*(\d+)=", prompt).groups()
+    seen = re.findall(r"=(\d+)\nA:", prompt)
+    return f"\\boxed{{{seen[-1]}}}" if seen else f"<<{a}*{b}>>"
+
+
+class ScriptedEngine(RolloutEngine):
+    """Answers each prompt with ``policy(prompt text, seed, sample)`` + EOS; records every request."""
+
+    def __init__(self, policy=calculator_policy):
+        self.policy = policy
+        self.requests: list[tuple[list[int], int | None, int]] = []
+        self.calls: list[int] = []
+        self.weight_version = 0
+
+    def generate(self, prompt_ids, spec):
+        self.calls.append(len(prompt_ids))
+        out = []
+        for i, p in enumerate(prompt_ids):
+            seed, room = spec.prompt_seed(i), spec.prompt_max_tokens(i)
+            self.requests.append((list(p), seed, room))
+            group = []
+            for j in range(spec.n):
+                ids = TOK(self.policy(TOK.decode(p), seed, j), add_special_tokens=False)["input_ids"] + [EOS]
+                finish = "stop" if len(ids) <= room else "length"
+                ids = ids[:room]
+                lps = [-0.01 * (k + 1) - ((seed or 0) % 97) * 1e-4 for k in range(len(ids))]
+                group.append(Completion(token_ids=ids, logprobs=lps, text=TOK.decode(ids, skip_special_tokens=True),
+                                        finish_reason=finish, truncated=finish == "length",
+                                        weight_version=self.weight_version, engine="scripted"))
+            out.append(group)
+        return out
+
+    def reset_prefix_cache(self):
+        pass
+
+
+def _envs(max_turns=4, **cfg) -> Environments:
+    return Environments(EnvConfig(**cfg), TOK, max_turns=max_turns, wait_s=30.0)
+
+
+SPEC = SamplingSpec(n=2, temperature=1.0, max_tokens=40, seed=100)
+
+
+def test_multi_turn_trajectory_is_the_chat_templates_conversation_token_for_token():
+    """A calculator trajectory: the model's call, the tool's answer, the model's final answer. Its
+    tokens (prompt + trajectory) equal the chat template's rendering of that whole conversation;
+    every turn's request carried exactly the trajectory so far; observation tokens have loss mask 0
+    and log-prob 0, the model's keep the engine's log-probs; the answer scored is the last turn."""
+    engine, envs = ScriptedEngine(), _envs()
+    records = [_record(12, 34, i=0), _record(7, 406, i=1)]
+    try:
+        groups = generate(engine, envs, records, SPEC)
+    finally:
+        envs.close()
+    assert [len(g) for g in groups] == [2, 2]
+    for rec, group in zip(records, groups):
+        a, b = map(int, re.findall(r"\d+", rec.prompt_text))
+        conversation = [{"role": "user", "content": rec.prompt_text},
+                        {"role": "assistant", "content": f"<<{a}*{b}>>"},
+                        {"role": "tool", "content": str(a * b)},
+                        {"role": "assistant", "content": f"\\boxed{{{a * b}}}"}]
+        want = list(TOK.apply_chat_template(conversation, tokenize=True)["input_ids"])
+        for c in group:
+            assert rec.prompt_ids + c.token_ids == want
+            ep = c.extra["episode"]
+            assert ep["turns"] == 2 and ep["tool_calls"] == 1 and ep["ended"] == "done"
+            assert ep["answer"] == f"\\boxed{{{a * b}}}" and not c.truncated and c.finish_reason == "stop"
+            roles = [m["role"] for m in ep["messages"]]
+            assert roles == ["assistant", "tool", "assistant"] and ep["messages"][1]["text"] == str(a * b)
+            first, obs = ep["messages"][0]["tokens"], ep["messages"][1]["tokens"]
+            assert c.loss_mask == [1] * first + [0] * obs + [1] * (len(c.token_ids) - first - obs)
+            assert all(lp == 0.0 for lp, m in zip(c.logprobs, c.loss_mask) if not m)
+            assert all(lp < 0 for lp, m in zip(c.logprobs, c.loss_mask) if m)
+            assert ep["observation_tokens"] == obs and c.model_tokens() == [bool(m) for m in c.loss_mask]
+    # what the engine saw: turn 1 the prompt, turn 2 the prompt + the trajectory up to its last turn
+    sent = {tuple(p) for p, _, _ in engine.requests}
+    for rec, group in zip(records, groups):
+        c = group[0]
+        last = c.extra["episode"]["messages"][-1]["start"]
+        assert tuple(rec.prompt_ids) in sent and tuple(rec.prompt_ids + c.token_ids[:last]) in sent
+    # turns ready together go in one batch: 2 prompts x 2 trajectories, 2 turns -> 2 engine calls of 4
+    assert engine.calls == [4, 4]
+
+
+def test_multi_turn_seeds_follow_the_rule_and_a_resent_trajectory_samples_the_same():
+    engine, envs = ScriptedEngine(), _envs()
+    records = [_record(12, 34, i=0), _record(56, 78, i=1)]
+    try:
+        first = generate(engine, envs, records, SPEC)
+        seeds = sorted((len(p), s) for p, s, _ in engine.requests)
+        again = generate(engine, envs, records, SPEC)
+    finally:
+        envs.close()
+    assert [[c.token_ids for c in g] for g in first] == [[c.token_ids for c in g] for g in again]
+    assert [[c.logprobs for c in g] for g in first] == [[c.logprobs for c in g] for g in again]
+    # turn 0 of trajectory j of prompt i: the single-turn rule (seed + i, its j-th sample + j)
+    turn0 = sorted(s for p, s, _ in engine.requests[:4])
+    assert turn0 == sorted(SPEC.seed + i + j for i in range(2) for j in range(2))
+    later = [s for p, s, _ in engine.requests[4:8]]
+    assert sorted(later) == sorted(turn_seed(SPEC.seed + i, j, 1) for i in range(2) for j in range(2))
+    assert len(set(later) - set(turn0)) == 4  # later turns: a seed of their own each
+    assert seeds == sorted((len(p), s) for p, s, _ in engine.requests[8:])
+    assert turn_seed(None, 1, 3) is None and turn_seed(5, 2, 0) == 7
+
+
+def test_multi_turn_max_turns_tool_budget_and_length_bound():
+    """A model that always calls the tool: rollout.max_turns stops it (its last turn is the answer);
+    past envs.max_tool_calls a call is refused (the model is told) and counted; the trajectory never
+    exceeds the stage's max_response_len, model and observation tokens together."""
+    always = lambda prompt, seed, j: "<<2*3>>"  # noqa: E731
+    engine = ScriptedEngine(always)
+    envs = _envs(max_turns=3, max_tool_calls=1)
+    try:
+        (group,) = generate(engine, envs, [_record(2, 3)], SamplingSpec(n=1, temperature=1.0, max_tokens=200, seed=1))
+    finally:
+        envs.close()
+    c = group[0]
+    ep = c.extra["episode"]
+    assert ep["turns"] == 3 and ep["ended"] == "max_turns" and ep["tool_calls"] == 1 and ep["budget_refused"] == 1
+    assert [m["role"] for m in ep["messages"]] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert ep["messages"][1]["text"] == "6" and "budget" in ep["messages"][3]["text"]
+    assert ep["answer"] == "<<2*3>>" and not c.truncated
+    # the length bound: every room asked for is what is left, and the whole trajectory fits
+    for budget in (9, 12, 17, 22, 26):
+        engine = ScriptedEngine(always)
+        envs = _envs(max_turns=10, max_tool_calls=10)
+        try:
+            (group,) = generate(engine, envs, [_record(2, 3)], SamplingSpec(n=1, temperature=1.0, max_tokens=budget,
+                                                                              seed=1))
+        finally:
+            envs.close()
+        c = group[0]
+        assert len(c.token_ids) <= budget and c.truncated and c.finish_reason == "length"
+        prompt = len(_record(2, 3).prompt_ids)
+        for p, _, room in engine.requests:
+            assert room == budget - (len(p) - prompt) and room >= 1
+
+
+def test_multi_turn_tool_faults_are_counted_messages_and_the_episode_goes_on():
+    """A failing call (an expression that does not parse), one that floods (a huge number: cut), one that hangs (past
+    envs.tool_timeout_s), and an environment that raises: each is counted, the model reads an error
+    message (or, for the broken environment, its episode ends cleanly), no rollout dies."""
+
+    @register_env("test_faulty_tool")
+    class Faulty(Environment):
+        def step(self, turn):
+            if turn == "00":  # (the tiny alphabet: digits)
+                return self.use_tool("sleepy", lambda: self.tools.call(time.sleep, 2.0))
+            if turn == "11":
+                raise RuntimeError("environment bug")
+            return StepResult(done=True)
+
+    try:
+        script = {0: "<<1**>>", 1: "<<9**999>>", 2: "done"}  # (the tiny alphabet has no "/")
+        policy = lambda prompt, seed, j: script[prompt.count("A:") - 1]  # noqa: E731
+        engine, envs = ScriptedEngine(policy), _envs(max_observation_chars=64)
+        try:
+            (group,) = generate(engine, envs, [_record(1, 2)], SamplingSpec(n=1, temperature=1.0, max_tokens=300))
+        finally:
+            envs.close()
+        ep = group[0].extra["episode"]
+        texts = [m["text"] for m in ep["messages"] if m["role"] == "tool"]
+        assert texts[0] == "error: cannot parse '1**'"
+        assert len(texts[1]) == 64 and "cut" in texts[1] and texts[1][:10].isdigit()
+        assert ep["tool_errors"] == 1 and ep["observations_cut"] == 1 and ep["tool_calls"] == 2
+        assert ep["ended"] == "done" and ep["turns"] == 3
+
+        script = {0: "00", 1: "11", 2: "22"}  # hang, raise, (never reached)
+        engine = ScriptedEngine(policy)
+        envs = _envs(tool_timeout_s=0.2)
+        try:
+            t0 = time.monotonic()
+            (group,) = generate(engine, envs, [_record(1, 2, env="test_faulty_tool")],
+                                SamplingSpec(n=1, temperature=1.0, max_tokens=300))
+            took = time.monotonic() - t0
+        finally:
+            envs.close()
+        ep = group[0].extra["episode"]
+        assert took < 1.5, took  # the hung call was not waited for
+        assert ep["tool_timeouts"] == 1 and ep["messages"][1]["text"].startswith("error: the tool did not answer")
+        assert ep["tool_errors"] == 2 and ep["ended"] == "done" and ep["turns"] == 2  # the raise ended it
+    finally:
+        ENVIRONMENTS.unregister("test_faulty_tool")
+
+
+def test_multi_turn_passes_prompts_without_an_environment_through_unchanged():
+    engine = ScriptedEngine(lambda prompt, seed, j: f"\\boxed{{{seed}{j}}}")
+    envs = _envs()
+    plain = [_record(3, 4, env="", i=0), _record(5, 6, env="", i=1)]
+    mixed = [plain[0], _record(12, 34, i=2), plain[1]]
+    try:
+        want = engine.generate([r.prompt_ids for r in plain], SPEC)
+        got = generate(engine, envs, mixed, SPEC)
+    finally:
+        envs.close()
+    # the plain prompts keep their seeds (prompt i of the batch), single-turn samples, no episode
+    spec0, spec2 = SPEC.for_prompt(0), SPEC.for_prompt(2)
+    direct = engine.generate([plain[0].prompt_ids], spec0)[0] + engine.generate([plain[1].prompt_ids], spec2)[0]
+    for c, d in zip(got[0] + got[2], direct):
+        assert c.token_ids == d.token_ids and c.logprobs == d.logprobs and "episode" not in c.extra
+        assert not c.loss_mask
+    assert [c.token_ids for c in got[0]] == [c.token_ids for c in want[0]]
+    ep = got[1][0].extra["episode"]  # the prompt with an environment: a trajectory (answered at once)
+    assert ep["turns"] == 1 and ep["tool_calls"] == 0 and ep["ended"] == "done"
+
+
+def test_multi_turn_stream_aborts_and_fails_whole_groups():
+    """abort(tag) stops a group's trajectories (nothing delivered for it); an engine failure on
+    one trajectory's turn is delivered as the group's error."""
+    gate = threading.Event()
+
+    class Gated(ScriptedEngine):
+        def generate(self, prompt_ids, spec):
+            if any(TOK.decode(p).count("A:") > 1 for p in prompt_ids):
+                gate.wait(5)
+                if any("99*" in TOK.decode(p) for p in prompt_ids):
+                    raise RuntimeError("engine died")
+            return super().generate(prompt_ids, spec)
+
+    engine, envs = Gated(), _envs()
+    inner = BackgroundGenerate(engine)
+    stream = MultiTurnStream(inner, envs)
+    got: list = []
+    try:
+        stream.submit_records([_record(12, 34, i=0)], SPEC, ["a"], got.extend)
+        time.sleep(0.2)
+        assert stream.in_flight() == 1
+        stream.abort(["a"])
+        assert stream.in_flight() == 0
+        stream.submit_records([_record(99, 2, i=1)], SPEC, ["b"], got.extend)
+        gate.set()
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+    finally:
+        stream.close()
+        inner.close()
+        envs.close()
+    assert [t for t, _ in got] == ["b"] and isinstance(got[0][1], RuntimeError)
+
+
+def test_environment_resolution_and_config_checks():
+    from megatron_rl.config.base import ConfigError
+    from megatron_rl.envs.episodes import EnvDataError
+
+    envs = _envs(env_map={"mult": "calculator", "py": "python_tool"}, default_env="")
+    try:
+        assert envs.name(_record(1, 2, env="calculator")) == "calculator"
+        assert envs.name(_record(1, 2, env="")) == "calculator"  # data_source "mult" mapped
+        r = _record(1, 2, env="py")
+        r.data_source = "other"
+        assert envs.name(r) == "python_tool"  # the data's own name, mapped
+        r.env = "nope"
+        with pytest.raises(EnvDataError, match="row 1: environment 'nope'"):
+            envs.check([r], "x.jsonl")
+        r.env, r.data_source = "", "other"
+        assert envs.name(r) is None
+    finally:
+        envs.close()
+    with pytest.raises(ConfigError, match="envs|default_env"):
+        EnvConfig(default_env="nope").validate()
+    with pytest.raises(ConfigError, match="env_map"):
+        EnvConfig(env_map={"a": "nope"}).validate()
+
+
+def test_calculator_is_exact_and_bounded():
+    from megatron_rl.envs.calculator import calculate
+
+    assert calculate("123*456") == "56088" and calculate("7/2") == "3.5" and calculate("2**10") == "1024"
+    assert calculate("-(3+4)*2") == "-14" and calculate("10//3") == "3" and calculate("8/4") == "2"
+    for bad, why in (("1/0", "division"), ("9**9**9", "too large"), ("__import__('os')", "only numbers"),
+                     ("2" * 300, "longer"), ("(1", "parse"), ("", "empty")):
+        with pytest.raises(ValueError, match=why):
+            calculate(bad)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError):
+        calculate("(" * 150 + "1" + ")" * 49)
+    assert time.monotonic() - t0 < 0.1
