@@ -144,10 +144,14 @@ class RolloutScheduler:
         if self.acfg.needs_streaming and not (self.stream.keeps_in_flight and self.stream.can_abort):
             raise ValueError(f"rollout.async: partial_rollout / oversample need an engine that loads weights "
                              f"with requests in flight; {type(engine).__name__} cannot")
+        # How long a group may take: one request; a multi-turn trajectory is up to max_turns requests and
+        # environment steps, each bounded by rollout.timeout_s.
+        self.group_timeout_s = r.timeout_s
         if envs is not None:  # multi-turn trajectories for the prompts with an environment
             from megatron_rl.rollout.multi_turn import MultiTurnStream
 
             self.stream = MultiTurnStream(self.stream, envs, record_of=self._record_of)
+            self.group_timeout_s = 2 * envs.max_turns * r.timeout_s
         self.n = r.rollout_batch_size
         self.per_wave = self.n + round(self.n * self.acfg.oversample)
         self.next_wave = step  # the first wave not dispatched yet
@@ -220,11 +224,12 @@ class RolloutScheduler:
         if not self.stream.in_flight():
             return report
         t0 = time.perf_counter()
-        deadline = t0 + self.r.timeout_s
+        deadline = t0 + self.group_timeout_s
         while self.stream.in_flight():
             if time.perf_counter() > deadline:
                 raise TimeoutError(f"rollout.async: requests in flight did not finish within "
-                                   f"rollout.timeout_s={self.r.timeout_s}s before a weight update")
+                                   f"{self.group_timeout_s:g}s (rollout.timeout_s={self.r.timeout_s}s per request) "
+                                   f"before a weight update")
             time.sleep(0.005)
         return {k: time.perf_counter() - t0 for k in report}
 
@@ -336,13 +341,14 @@ class RolloutScheduler:
 
     def _receive(self, block: bool) -> None:
         """Move delivered groups from the engine's thread into ``done`` (arrival order)."""
-        timeout = self.r.timeout_s
+        timeout = self.group_timeout_s
         while True:
             try:
                 batch = self._inbox.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
                 if block:
-                    raise TimeoutError(f"rollout.async: no group finished within rollout.timeout_s={timeout}s")
+                    raise TimeoutError(f"rollout.async: no group finished within {timeout:g}s (rollout.timeout_s="
+                                       f"{self.r.timeout_s:g}s per request)")
                 return
             block = False
             for tag, result in batch:
