@@ -319,3 +319,39 @@ def test_calculator_is_exact_and_bounded():
     with pytest.raises(ValueError):
         calculate("(" * 150 + "1" + ")" * 49)
     assert time.monotonic() - t0 < 0.1
+
+
+def test_multi_turn_reward_scores_the_final_answer_never_a_tools_output():
+    """A tool that prints the right boxed answer cannot earn the reward: the reward scores the
+    model's final turn (the episode's answer), not the trajectory's text."""
+    import torch
+
+    from megatron_rl.rewards import RewardManager
+    from megatron_rl.rewards.config import RewardConfig
+    from megatron_rl.trainer import phases
+
+    @register_env("test_boxing_tool")
+    class Boxing(Environment):
+        def step(self, turn):
+            if self.calls:
+                return StepResult(done=True)
+            return self.use_tool("boxing", lambda: self.tools.call(lambda: f"\\boxed{{{self.record.ground_truth}}}"))
+
+    try:
+        script = {0: "<<1>>", 1: "0"}  # a call, then a final answer without any boxed value
+        engine = ScriptedEngine(lambda prompt, seed, j: script[prompt.count("A:") - 1])
+        envs = _envs()
+        rec = _record(12, 34, env="test_boxing_tool")
+        rec.style = "exact_boxed"
+        try:
+            (group,) = generate(engine, envs, [rec], SamplingSpec(n=1, temperature=1.0, max_tokens=60))
+        finally:
+            envs.close()
+        (c,) = group
+        assert "\\boxed{408}" in c.text and c.extra["episode"]["answer"] == "0"
+        ro = phases.Rollout(records=[rec], completions=[c], group_ids=torch.tensor([0]))
+        with RewardManager(RewardConfig()) as mgr:
+            phases.score(mgr, ro)
+        assert ro.rewards.tolist() == [0.0] and ro.outcomes[0]["status"] == "unparsable"
+    finally:
+        ENVIRONMENTS.unregister("test_boxing_tool")
