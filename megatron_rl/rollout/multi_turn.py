@@ -148,7 +148,8 @@ class MultiTurnStream(GroupStream):
             if env_name is None:
                 plain.append(i)
                 continue
-            group = _Group(tag, on_done, dataclasses.replace(sampling, seeds=(), max_tokens_each=()))
+            group = _Group(tag, on_done, dataclasses.replace(sampling, max_tokens=sampling.prompt_max_tokens(i),
+                                                             seeds=(), max_tokens_each=()))
             base = sampling.prompt_seed(i)
             for j in range(sampling.n):
                 env = self.envs.open(record)
