@@ -190,7 +190,8 @@ def test_async_multi_turn_trajectories_across_weight_updates_match_each_tokens_v
     version, turns, partial = 30, [], 0
     try:
         for step in range(3):
-            ro, m = sched.next_rollout(step, step, version, StepTimer())
+            ro, _ = sched.next_rollout(step, step, version, StepTimer())
+            m = phases.rollout_metrics(ro, 1.0)
             assert m["env/trajectories"] == 6 and "env/turns_mean" in m
             batch, _ = phases.make_batch(ro, AlgoConfig(filter_zero_variance_groups=False))
             turns += [c.extra["episode"]["turns"] for c in ro.completions]

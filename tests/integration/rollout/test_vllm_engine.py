@@ -195,3 +195,12 @@ def test_multi_turn_trajectories_are_what_the_engine_saw_and_match_transformers(
             ids = list(r.prompt_ids) + c.token_ids[:m["start"] + m["tokens"]]
     # seeded: the same trajectories again (a re-sent trajectory samples the same)
     assert [[c.token_ids for c in g] for g in sampled] == [[c.token_ids for c in g] for g in again]
+    # a round of many long turns, each seeded: more prompt tokens than vLLM's default step budget (8192),
+    # which would split a seeded prefill over steps and kill the CPU engine; each equals it alone
+    long = [[(7 * i + k) % 20 + 3 for k in range(190)] for i in range(48)]
+    spec = SamplingSpec(n=1, temperature=1.0, max_tokens=4, seeds=tuple(range(100, 148)),
+                        max_tokens_each=tuple(2 + i % 3 for i in range(48)))
+    batch = eng.generate(long, spec)
+    assert all(len(g[0].token_ids) <= room for g, room in zip(batch, spec.max_tokens_each))
+    for i in (0, 47):
+        assert eng.generate([long[i]], spec.for_prompt(i))[0][0].token_ids == batch[i][0].token_ids
