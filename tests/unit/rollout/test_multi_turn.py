@@ -355,3 +355,66 @@ def test_multi_turn_reward_scores_the_final_answer_never_a_tools_output():
         assert ro.rewards.tolist() == [0.0] and ro.outcomes[0]["status"] == "unparsable"
     finally:
         ENVIRONMENTS.unregister("test_boxing_tool")
+
+
+def test_multi_turn_turns_across_a_weight_update_carry_per_token_versions():
+    """Partial rollouts per trajectory: a streaming engine that holds every first turn until a
+    weight update. The trajectory's first turn is the old version's, the observation after it
+    carries that version (it is never trained on; its version only orders the trajectory), the
+    next turn the new version's; the trajectory's version (its oldest token's) is the old one and
+    its spans say where each version starts."""
+    from megatron_rl.rollout.streaming import GroupStream
+
+    class Held(GroupStream):
+        keeps_in_flight = True
+        can_abort = True
+
+        def __init__(self):
+            self.engine = ScriptedEngine()
+            self.held, self.version = [], 7
+
+        def submit(self, prompt_ids, sampling, tags, on_done):
+            self.engine.weight_version = self.version
+            out = list(zip(tags, self.engine.generate(prompt_ids, sampling)))
+            first = [o for o, p in zip(out, prompt_ids) if TOK.decode(p).count("A:") == 1]
+            self.held += [(o, on_done) for o in first]
+            rest = [o for o in out if o not in first]
+            if rest:
+                on_done(rest)
+
+        def update(self, version):
+            self.version = version
+            held, self.held = self.held, []
+            for (tag, group), on_done in held:
+                on_done([(tag, group)])
+
+        def abort(self, tags):
+            pass
+
+        def busy_seconds(self):
+            return 0.0
+
+        def in_flight(self):
+            return len(self.held)
+
+    inner, envs = Held(), _envs()
+    stream = MultiTurnStream(inner, envs)
+    got: dict = {}
+    try:
+        stream.submit_records([_record(12, 34, i=0), _record(5, 6, i=1)], SPEC, ["a", "b"], got.update)
+        deadline = time.monotonic() + 5
+        while len(inner.held) < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        inner.update(8)  # the first turns finish after the update (their tokens: version 7)
+        while len(got) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    finally:
+        stream.close()
+        envs.close()
+    for c in got["a"] + got["b"]:
+        ep = c.extra["episode"]
+        first, obs, last = ep["messages"]
+        versions = c.token_versions()
+        assert versions == [7] * (first["tokens"] + obs["tokens"]) + [8] * last["tokens"]
+        assert c.weight_version == 7 and c.newest_version == 8 and c.partial
+        assert c.version_spans == [(7, 0, last["start"]), (8, last["start"], len(c.token_ids))]
