@@ -195,8 +195,8 @@ def render(data: RunData, facts: dict, out_dir: Path) -> Path:
             nav.append('<a href="#wrong_labels">Suspected wrong labels</a>')
     episodes = episodes_section(data)
     if episodes:
-        sections.append(f'<section id="trajectories"><h2>Multi-turn trajectories</h2>{episodes}</section>')
-        nav.append('<a href="#trajectories">Multi-turn trajectories</a>')
+        sections.append(f'<section id="multi_turn"><h2>Multi-turn trajectories</h2>{episodes}</section>')
+        nav.append('<a href="#multi_turn">Multi-turn trajectories</a>')
     summary = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>"
                       for k, v in summary_rows(data, facts))
     name = html.escape(data.root.resolve().name)
