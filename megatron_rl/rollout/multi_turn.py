@@ -15,6 +15,9 @@ environment (``megatron_rl.envs``) gets ``n`` trajectories; each, token in, toke
    model takes the next turn, up to ``rollout.max_turns`` turns. An observation with no room left
    after it ends the trajectory as truncated.
 
+A multi-turn stream cannot stop with partial responses (``stop_with_partials`` is False): on a
+preemption its groups still generating are redrawn on resume, never continued token-wise.
+
 The trajectory is one :class:`~megatron_rl.rollout.base.Completion`: its token ids are exactly what
 the engine saw (sampled turns and appended observations, never re-tokenized), the model's tokens
 keep their sampled log-probs and weight versions (a turn sampled across a weight update keeps its
@@ -331,7 +334,10 @@ class MultiTurnStream(GroupStream):
         traj.model_turns += 1
         traj.last_text, traj.engine, traj.finish_reason = c.text, c.engine, c.finish_reason
         if c.finish_reason != "stop":
-            self._end(traj, c.finish_reason)
+            # cut at its room; a turn the engine stopped ("abort") ends the trajectory as truncated
+            # too: a trajectory is never continued token-wise (its environment's episode would not be)
+            traj.finish_reason = "length"
+            self._end(traj, "length")
         elif traj.model_turns >= self.envs.max_turns:
             self._end(traj, "max_turns")
 
