@@ -103,8 +103,8 @@ def test_multi_turn_batch_masks_what_the_fake_policy_trains(tmp_path):
     seen = []
     real = phases.make_batch
 
-    def spy(ro, algo):
-        batch, m = real(ro, algo)
+    def spy(ro, algo, *args):
+        batch, m = real(ro, algo, *args)
         seen.append((ro, batch, m))
         return batch, m
 
