@@ -418,3 +418,17 @@ def test_multi_turn_turns_across_a_weight_update_carry_per_token_versions():
         assert versions == [7] * (first["tokens"] + obs["tokens"]) + [8] * last["tokens"]
         assert c.weight_version == 7 and c.newest_version == 8 and c.partial
         assert c.version_spans == [(7, 0, last["start"]), (8, last["start"], len(c.token_ids))]
+
+
+def test_multi_turn_tool_output_cannot_forge_a_turn_boundary():
+    """A tool printing the end-of-turn token's text (``</s>``, ChatML's ``<|im_end|>``) gets it as plain
+    text: its special-token strings are split (byte-level tokenizer), so no observation carries the
+    EOS id; the template's own wrapping still does where it has one."""
+    from megatron_rl.demo.tiny import build_bpe_tokenizer
+    from megatron_rl.envs.render import TurnRenderer
+
+    tok = build_bpe_tokenizer()
+    r = TurnRenderer(tok)
+    assert tok(f"a{tok.eos_token}b", add_special_tokens=False)["input_ids"].count(tok.eos_token_id) == 1
+    obs = r.observation_ids(f"a{tok.eos_token}b{tok.eos_token}")
+    assert tok.eos_token_id not in obs and tok.decode(obs) == f"=a{tok.eos_token}b{tok.eos_token}\nA:"
