@@ -30,6 +30,9 @@ re-sent (a failed engine, a resumed run) samples the same turns. Turns that are 
 the engine as one batch (each with its own seed and length).
 
 Prompts without an environment are passed to the inner stream as they are (single-turn, unchanged).
+
+Progress (``last_progress``, the trainer's watchdog): the inner stream's, or the trajectories' own (a
+turn sent or answered, environments stepping) when later.
 """
 
 from __future__ import annotations
@@ -131,6 +134,10 @@ class MultiTurnStream(GroupStream):
         self._ids = itertools.count()
         self._events: queue.Queue = queue.Queue()
         self._closed = False
+        # progress of the trajectories' own loop (time.monotonic()): a turn sent or answered, a
+        # group delivered; ``_stepping_until``: environments stepping now, bounded by envs.wait_s
+        self._progress: float | None = None
+        self._stepping_until: float | None = None
         self._steps = _Workers(max(8, 4 * envs.cfg.num_workers), "env-step")
         self._thread = threading.Thread(target=self._drive, name="multi-turn", daemon=True)
         self._thread.start()
@@ -203,6 +210,25 @@ class MultiTurnStream(GroupStream):
     def busy_seconds(self) -> float:
         return self.inner.busy_seconds()
 
+    def last_progress(self) -> float | None:
+        """The later of the inner stream's progress and the trajectories' own: a turn sent or
+        answered, a group delivered, and now while environments step (tools run within their own
+        timeout; at most until envs.wait_s after the round's steps began, so a step that never
+        returns does not hold off the trainer's watchdog forever)."""
+        now = time.monotonic()
+        with self._lock:
+            own, stepping = self._progress, self._stepping_until
+        if stepping is not None:
+            own = max(own or 0.0, min(now, stepping))
+        inner = self.inner.last_progress()
+        if inner is None or own is None:
+            return own if inner is None else inner
+        return max(inner, own)
+
+    def _progressed(self) -> None:
+        with self._lock:
+            self._progress = time.monotonic()
+
     def in_flight(self) -> int:
         with self._lock:
             return len(self._groups) + len(self._plain)
@@ -256,6 +282,7 @@ class MultiTurnStream(GroupStream):
             on_done(out)
 
     def _on_turns(self, results) -> None:  # called from the engine's thread: never blocks
+        self._progressed()
         self._events.put(("turns", results))
 
     def _drive(self) -> None:
@@ -301,8 +328,11 @@ class MultiTurnStream(GroupStream):
             stepping.append(traj)
         finished = [t for t in stepping if t.done]
         stepping = [t for t in stepping if not t.done and id(t.group) not in failed]
-        futures = [(t, self._steps.submit(t.env.step, t.last_text)) for t in stepping]
         deadline = time.monotonic() + self.envs.wait_s
+        if stepping:
+            with self._lock:
+                self._stepping_until = deadline
+        futures = [(t, self._steps.submit(t.env.step, t.last_text)) for t in stepping]
         for traj, fut in futures:
             try:
                 res = fut.result(timeout=max(0.0, deadline - time.monotonic()))
@@ -314,6 +344,10 @@ class MultiTurnStream(GroupStream):
                 traj.tool_errors += 1
                 res = StepResult(done=True)
             self._apply_step(traj, res)
+        if stepping:
+            with self._lock:
+                self._stepping_until = None
+            self._progressed()
         ready = [t for t in starts + stepping if not t.done and not t.group.aborted
                  and id(t.group) not in failed]
         finished += [t for t in starts + stepping if t.done]
@@ -390,6 +424,7 @@ class MultiTurnStream(GroupStream):
                     self._flying[tag] = t
             try:
                 self.inner.submit([t.prompt_ids + t.ids for t in trajs], turn_spec, tags, self._on_turns)
+                self._progressed()
             except Exception as exc:  # noqa: BLE001 - the engine refused: those groups fail
                 with self._lock:
                     for tag in tags:

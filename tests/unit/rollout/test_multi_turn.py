@@ -9,6 +9,7 @@ engine was sent (each turn's prompt is the trajectory so far); the seeds' rule w
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
@@ -21,7 +22,7 @@ from megatron_rl.envs import Environments, EnvConfig, Environment, StepResult, r
 from megatron_rl.envs.registry import ENVIRONMENTS
 from megatron_rl.rollout import Completion, RolloutEngine, SamplingSpec
 from megatron_rl.rollout.multi_turn import MultiTurnStream, generate, turn_seed
-from megatron_rl.rollout.streaming import BackgroundGenerate
+from megatron_rl.rollout.streaming import BackgroundGenerate, GroupStream
 
 TOK = build_char_tokenizer()
 EOS = TOK.eos_token_id
@@ -432,3 +433,96 @@ def test_multi_turn_tool_output_cannot_forge_a_turn_boundary():
     assert tok(f"a{tok.eos_token}b", add_special_tokens=False)["input_ids"].count(tok.eos_token_id) == 1
     obs = r.observation_ids(f"a{tok.eos_token}b{tok.eos_token}")
     assert tok.eos_token_id not in obs and tok.decode(obs) == f"=a{tok.eos_token}b{tok.eos_token}\nA:"
+
+
+class _Late(GroupStream):
+    """The scripted engine's turns, each answered ``delay`` s after it was sent (a fleet re-sending a
+    request whose engine timed out, or waiting for restarts); ``progress``: it reports its progress as
+    now (it is working on it), else none (``GroupStream``'s default)."""
+
+    keeps_in_flight = False
+    can_abort = False
+
+    def __init__(self, delay: float, progress: bool):
+        self.engine, self.delay, self.progress = ScriptedEngine(), delay, progress
+        self.timers: list[threading.Timer] = []
+
+    def submit(self, prompt_ids, sampling, tags, on_done):
+        groups = list(zip(tags, self.engine.generate(prompt_ids, sampling)))
+        timer = threading.Timer(self.delay, on_done, args=(groups,))
+        self.timers.append(timer)
+        timer.start()
+
+    def last_progress(self):
+        return time.monotonic() if self.progress else None
+
+    def abort(self, tags):
+        pass
+
+    def busy_seconds(self):
+        return 0.0
+
+    def in_flight(self):
+        return sum(t.is_alive() for t in self.timers)
+
+
+def test_multi_turn_watchdog_counts_from_the_inner_streams_progress_and_a_running_tool():
+    """The trainer's watchdog (rollout.timeout_s after the stream's last progress) through the
+    multi-turn wrapper. (1) The scheduler waits for a wave of calculator trajectories whose two turns
+    take 1.2 s, past the multi-turn window (2 x max_turns x rollout.timeout_s = 1.0 s), while the inner
+    stream reports progress: the wrapper passes it on. (2) A tool running within its own timeout is
+    progress though nothing is in flight on the engine (its stream reports none)."""
+    from megatron_rl.algo.config import AlgoConfig
+    from megatron_rl.data.loader import PromptLoader
+    from megatron_rl.rewards import RewardManager
+    from megatron_rl.rewards.config import RewardConfig
+    from megatron_rl.rollout.config import AsyncConfig, RolloutConfig
+    from megatron_rl.trainer.async_rollout import RolloutScheduler
+
+    r = RolloutConfig(rollout_batch_size=2, group_size=2, temperature=1.0, timeout_s=0.25,
+                      async_=AsyncConfig(max_staleness=1))
+    envs = Environments(EnvConfig(), TOK, max_turns=2, wait_s=0.25)
+    inner = _Late(delay=0.6, progress=True)
+    loader = PromptLoader([_record(12 + i, 34, i=i) for i in range(4)], 2, seed=5)
+    sched = RolloutScheduler(inner, loader, RewardManager(RewardConfig()), r, AlgoConfig(), run_seed=11,
+                             max_response_len=40, envs=envs)
+    try:
+        assert sched.group_timeout_s == 1.0
+        t0 = time.monotonic()
+        ro, _ = sched.next_rollout(0, 100, 0, lambda name: contextlib.nullcontext())
+        assert time.monotonic() - t0 > 1.0
+    finally:
+        sched.close()
+        envs.close()
+    assert len(ro.completions) == 4 and ro.rewards.tolist() == [1.0] * 4
+    assert all(c.extra["episode"]["tool_calls"] == 1 for c in ro.completions)
+
+    started, release = threading.Event(), threading.Event()
+
+    @register_env("test_slow_tool")
+    class Slow(Environment):
+        def step(self, turn):
+            if "<<" in turn:  # the calculator's answer, after a wait
+                started.set()
+                return self.use_tool("slow", lambda: self.tools.call(lambda: release.wait(5.0) and "408"))
+            return StepResult(done=True)
+
+    envs = _envs(tool_timeout_s=10.0)
+    inner = _Late(delay=0.0, progress=False)
+    stream = MultiTurnStream(inner, envs)
+    got: list = []
+    try:
+        stream.submit_records([_record(12, 34, env="test_slow_tool")], SPEC, ["a"], got.extend)
+        assert started.wait(5)
+        time.sleep(0.3)  # the tool has run 0.3 s; the engine's last answer is older
+        lag = time.monotonic() - stream.last_progress()
+        release.set()
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        stream.close()
+        envs.close()
+        ENVIRONMENTS.unregister("test_slow_tool")
+    assert lag < 0.05, lag
+    assert [t for t, _ in got] == ["a"] and got[0][1][0].extra["episode"]["tool_calls"] == 1
