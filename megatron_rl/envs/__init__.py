@@ -16,7 +16,7 @@ _EXPORTS = {
     "Environment": "base", "StepResult": "base",
     "ToolOutput": "tools", "ToolRunner": "tools",
     "TurnRenderer": "render", "TemplateError": "render",
-    "Environments": "episodes", "EnvDataError": "episodes",
+    "Environments": "episodes", "EnvDataError": "episodes", "EnvSandboxError": "episodes",
     "episode_metrics": "metrics",
 }
 __all__ = list(_EXPORTS)

@@ -50,6 +50,9 @@ class Environment(ABC):
     """One episode's state; a fresh instance per trajectory (``Environments.open``)."""
 
     name: ClassVar[str] = ""
+    # Its tools run programs in the code sandbox: a run with prompts for it checks at start-up that
+    # the sandbox can start here (bubblewrap, or reward.code.sandbox.require_isolation: false).
+    needs_sandbox: ClassVar[bool] = False
 
     def __init__(self, cfg: EnvConfig, tools: ToolRunner):
         self.cfg = cfg

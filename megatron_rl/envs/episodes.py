@@ -22,6 +22,10 @@ class EnvDataError(InputError, ValueError):
     """A prompt names an environment that is not registered (nor mapped)."""
 
 
+class EnvSandboxError(InputError):
+    """Prompts need an environment whose tools run in the code sandbox, and it cannot start here."""
+
+
 class Environments:
     """The environments of a run: resolution, episodes, their tools and the turn renderer."""
 
@@ -62,7 +66,9 @@ class Environments:
     def check(self, records, path: str) -> dict[str, int]:
         """Resolve every prompt of ``path`` (a DataError naming file and row for an unknown
         environment) and check the chat template renders tool messages when one has an
-        environment. Returns the prompts per environment."""
+        environment, and that the code sandbox starts when one's tools need it (else every call
+        would be an error message: the run would train on nothing). Returns the prompts per
+        environment."""
         counts: dict[str, int] = {}
         for r in records:
             try:
@@ -73,6 +79,16 @@ class Environments:
                 counts[name] = counts.get(name, 0) + 1
         for name in counts:
             ENVIRONMENTS[name]  # imports its module: a broken one fails now
+        sandboxed = sorted(n for n in counts if ENVIRONMENTS[n].needs_sandbox)
+        if sandboxed:
+            from megatron_rl.rewards.sandbox import Sandbox, SandboxUnavailable
+
+            try:
+                Sandbox(self.tools.sandbox)
+            except SandboxUnavailable as exc:
+                raise EnvSandboxError(f"{path}: {sum(counts[n] for n in sandboxed)} prompts use environment "
+                                      f"{', '.join(sandboxed)}, whose tool runs programs in the sandbox: "
+                                      f"{exc}") from None
         if counts:
             self.renderer  # noqa: B018 - a template that cannot render tool messages fails now
         return counts

@@ -43,6 +43,8 @@ def tool_call_code(turn: str) -> tuple[str | None, str]:
 
 @register_env("python_tool")
 class PythonTool(Environment):
+    needs_sandbox = True
+
     def step(self, turn: str) -> StepResult:
         code, problem = tool_call_code(turn)
         if code is None:

@@ -307,6 +307,35 @@ def test_environment_resolution_and_config_checks():
         EnvConfig(env_map={"a": "nope"}).validate()
 
 
+def test_python_tool_prompts_need_the_code_sandbox_at_start_up(monkeypatch):
+    """A run whose data has python_tool prompts on a machine where the sandbox cannot start (no
+    bubblewrap, require_isolation on) is refused before anything is built, naming file, count and the
+    fix, rather than answering every tool call with an error; the calculator needs no sandbox, and
+    require_isolation: false is the explicit opt-in."""
+    from megatron_rl.envs import EnvSandboxError
+    from megatron_rl.rewards import sandbox
+    from megatron_rl.rewards.config import SandboxConfig
+
+    monkeypatch.setattr(sandbox, "_probe_bwrap", lambda python, cfg: "bwrap not found (planted)")
+    sandbox._isolation.cache_clear()
+    records = [_record(1, 2, env="calculator", i=0), _record(3, 4, env="python_tool", i=1)]
+    try:
+        for require in (True, False):
+            envs = Environments(EnvConfig(), TOK, max_turns=2, sandbox=SandboxConfig(require_isolation=require))
+            try:
+                assert envs.check(records[:1], "x.jsonl") == {"calculator": 1}
+                if require:
+                    with pytest.raises(EnvSandboxError, match=r"x.jsonl: 1 prompts use environment python_tool, "
+                                                              r".*bwrap not found \(planted\).*require_isolation"):
+                        envs.check(records, "x.jsonl")
+                else:
+                    assert envs.check(records, "x.jsonl") == {"calculator": 1, "python_tool": 1}
+            finally:
+                envs.close()
+    finally:
+        sandbox._isolation.cache_clear()
+
+
 def test_calculator_is_exact_and_bounded():
     from megatron_rl.envs.calculator import calculate
 
