@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
+log = logging.getLogger("megatron_rl")
+
 
 def episode_metrics(completions, correct: list[bool]) -> dict[str, float]:
     """Over the completions that are multi-turn trajectories (``extra["episode"]``, written by
-    ``rollout/multi_turn.py``); {} when there are none. ``correct``: each completion's verdict."""
+    ``rollout/multi_turn.py``); {} when there are none. ``correct``: each completion's verdict.
+    Failed tool calls (crashes, timeouts, bad input) are logged too: one line per call of this."""
     eps = [(c, c.extra["episode"], ok) for c, ok in zip(completions, correct) if "episode" in c.extra]
     if not eps:
         return {}
@@ -28,6 +33,10 @@ def episode_metrics(completions, correct: list[bool]) -> dict[str, float]:
         "env/max_turns_reached": float(sum(e["ended"] == "max_turns" for _, e, _ in eps)),
         "env/observation_token_share": sum(e["observation_tokens"] for _, e, _ in eps) / max(tokens, 1),
     }
+    if out["env/tool_errors"]:
+        log.warning("tools: %d errors (%d timeouts) in %d calls of %d trajectories; the model read an error "
+                    "message for each, the episodes went on (env/tool_errors, env/tool_timeouts)",
+                    out["env/tool_errors"], out["env/tool_timeouts"], out["env/tool_calls"], n)
     if with_tool:
         out["env/accuracy_with_tool"] = sum(with_tool) / len(with_tool)
     if without:

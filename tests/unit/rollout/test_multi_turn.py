@@ -336,6 +336,39 @@ def test_python_tool_prompts_need_the_code_sandbox_at_start_up(monkeypatch):
         sandbox._isolation.cache_clear()
 
 
+def test_multi_turn_episode_metrics_count_every_tool_fault_and_log_them(caplog):
+    """env/* from the episode records, against the sums written out by hand: a single-turn sample
+    in the batch is not a trajectory; tool errors and timeouts are counted and logged."""
+    import logging
+
+    from megatron_rl.envs import episode_metrics
+
+    def sample(tokens, obs, **episode):
+        ep = dict(env="calculator", turns=1, ended="done", answer="", tool_calls=0, tool_errors=0, tool_timeouts=0,
+                  budget_refused=0, observations_cut=0, observation_tokens=obs, messages=[])
+        return Completion(token_ids=[5] * tokens, logprobs=[0.0] * tokens, text="", finish_reason="stop",
+                          truncated=False, extra={"episode": {**ep, **episode}} if episode or obs else {})
+
+    batch = [sample(10, 4, turns=2, tool_calls=1),
+             sample(20, 8, turns=3, tool_calls=2, tool_errors=2, tool_timeouts=1, observations_cut=1),
+             sample(5, 0, turns=1),
+             sample(30, 12, turns=4, tool_calls=3, tool_errors=1, budget_refused=1, ended="max_turns"),
+             sample(7, 0)]  # single-turn: no episode
+    with caplog.at_level(logging.WARNING, logger="megatron_rl"):
+        m = episode_metrics(batch, [True, False, True, False, True])
+    assert m == {"env/trajectories": 4.0, "env/turns_mean": 10 / 4, "env/turns_max": 4.0, "env/tool_calls": 6.0,
+                 "env/tool_calls_mean": 1.5, "env/tool_use_rate": 0.75, "env/tool_errors": 3.0,
+                 "env/tool_timeouts": 1.0, "env/tool_budget_exhausted": 1.0, "env/observations_cut": 1.0,
+                 "env/max_turns_reached": 1.0, "env/observation_token_share": 24 / 65,
+                 "env/accuracy_with_tool": 1 / 3, "env/accuracy_without_tool": 1.0}
+    assert "tools: 3 errors (1 timeouts) in 6 calls of 4 trajectories" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megatron_rl"):
+        assert episode_metrics(batch[:1] + batch[4:], [True, True])["env/tool_errors"] == 0
+        assert episode_metrics(batch[4:], [True]) == {}
+    assert "tools:" not in caplog.text
+
+
 def test_calculator_is_exact_and_bounded():
     from megatron_rl.envs.calculator import calculate
 
