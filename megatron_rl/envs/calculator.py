@@ -2,7 +2,8 @@
 
 A model turn that contains ``<<expression>>`` (GSM8K's calculator notation) calls it: the last such
 expression is evaluated and its value (``56088``, ``0.75``) is the observation. A turn without one is
-the final answer. Expressions: numbers, ``+ - * / // % **``, unary signs and parentheses, at most
+the final answer; a turn that opens a call (``<<``) and never closes it gets an error message (a
+malformed call is the model's mistake to read about, not its final answer). Expressions: numbers, ``+ - * / // % **``, unary signs and parentheses, at most
 200 characters; evaluated from the syntax tree (never ``eval``), with every intermediate integer held
 to 4096 bits and exponents to 4096 bits of result, so any input costs microseconds. A bad expression
 (a syntax error, a division by zero, a number too large) is an error message to the model.
@@ -16,8 +17,9 @@ import re
 
 from megatron_rl.envs.base import Environment, StepResult
 from megatron_rl.envs.registry import register_env
+from megatron_rl.envs.tools import ERROR, ToolOutput
 
-CALL = re.compile(r"<<([^<>]{0,200})>>")
+CALL = re.compile(r"<<([^<>]{0,200})>>")  # bounded: linear in the turn's length
 MAX_CHARS = 200
 MAX_BITS = 4096
 
@@ -86,6 +88,10 @@ def _bounded(value):
 class Calculator(Environment):
     def step(self, turn: str) -> StepResult:
         calls = CALL.findall(turn)
-        if not calls:
-            return StepResult(done=True)
-        return self.use_tool("calculator", lambda: self.tools.call(calculate, calls[-1]))
+        if calls:
+            return self.use_tool("calculator", lambda: self.tools.call(calculate, calls[-1]))
+        if "<<" in turn:
+            malformed = ToolOutput(f"error: a call is <<expression>>: at most {MAX_CHARS} characters, closed by >>",
+                                   ERROR)
+            return self.use_tool("calculator", lambda: malformed)
+        return StepResult(done=True)

@@ -7,7 +7,8 @@ closing ``</think>``): the program runs in the sandbox of ``rewards/sandbox.py``
 network, no host files; ``reward.code.sandbox``'s CPU, memory, process, file-size, disk and output
 limits), for at most ``envs.tool_timeout_s``; its stdout (and on failure its stderr), cut to
 ``envs.max_observation_chars``, is the observation. A turn without code is the final answer, scored
-by the data's reward style.
+by the data's reward style. A malformed call (not JSON of that form, another tool's name, no closing
+tag) is an error message to the model, counted as a failed call.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ NAMES = ("python", "python_tool", "code_interpreter")
 def tool_call_code(turn: str) -> tuple[str | None, str]:
     """The program a turn asks to run (None: none), or ('' , why) for a malformed tool call."""
     calls = TOOL_CALL.findall(turn)
+    if not calls and "<tool_call>" in turn:
+        return "", "the tool call is not closed by </tool_call>"
     if calls:
         try:
             call = json.loads(calls[-1])

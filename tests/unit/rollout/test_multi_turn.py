@@ -369,6 +369,37 @@ def test_multi_turn_episode_metrics_count_every_tool_fault_and_log_them(caplog):
     assert "tools:" not in caplog.text
 
 
+def test_malformed_tool_calls_are_counted_error_messages_in_every_tool():
+    """Each built-in tool's malformed calls (unclosed, too long, not JSON of the call's form, another
+    tool's name, no code) are error messages to the model, flagged as failed calls and counted
+    against the budget, never a final answer nor a crash; well-formed calls parse."""
+    from megatron_rl.envs.calculator import Calculator
+    from megatron_rl.envs.python_tool import PythonTool, tool_call_code
+    from megatron_rl.envs.tools import ERROR, ToolRunner
+
+    runner = ToolRunner(1.0, 1)
+    calc, py = Calculator(EnvConfig(max_tool_calls=20), runner), PythonTool(EnvConfig(max_tool_calls=20), runner)
+    call = '<tool_call>{"name": "python", "arguments": %s}</tool_call>'
+    try:
+        for env, turn, why in (
+                (calc, "<<12*3", "closed by >>"), (calc, "<<" + "1+" * 150 + "1>>", "at most 200"),
+                (calc, "<<1**>>", "cannot parse"), (calc, "<<__import__('os')>>", "only numbers"),
+                (py, "<tool_call>{name: python}</tool_call>", "not JSON"), (py, "<tool_call>null</tool_call>", "not JSON"),
+                (py, call % '"print(1)"', "not JSON"), (py, call % "[1]", "not JSON"),
+                (py, '<tool_call>{"name": "bash", "arguments": {"code": "ls"}}</tool_call>', "unknown tool 'bash'"),
+                (py, call % '{"code": 5}', "no code"), (py, call[:-12] % '{"code": "print(1)"}', "not closed")):
+            res = env.step(turn)
+            assert res.error == ERROR and res.tool and not res.done, (turn, res)
+            assert res.observation.startswith("error: ") and why in res.observation, (turn, res)
+        assert calc.calls == 4 and py.calls == 7  # each one counted against the budget
+        assert tool_call_code(call % '"{\\"code\\": \\"x=1\\"}"') == ("x=1", "")  # arguments as a JSON string
+        assert tool_call_code(call % '{"code": "a"}' + call % '{"code": "b"}') == ("b", "")  # the last call
+        assert tool_call_code("Run:\n```python\nprint(2)\n```") == ("print(2)\n", "")
+        assert calc.step("\\boxed{3}").done and py.step("\\boxed{3}").done
+    finally:
+        runner.close()
+
+
 def test_calculator_is_exact_and_bounded():
     from megatron_rl.envs.calculator import calculate
 
