@@ -400,6 +400,49 @@ def test_malformed_tool_calls_are_counted_error_messages_in_every_tool():
         runner.close()
 
 
+def test_python_tool_pool_faults_are_error_messages_never_a_dead_rollout(monkeypatch):
+    """The sandboxed tool's process-pool paths, at the pool's boundary (the real pool and sandbox run
+    in tests/integration/envs/test_python_tool.py): a worker that died, one killed past its hard
+    timeout, a pool that cannot start, a pool that does not answer within the wait bound, a closed
+    runner: each an error message flagged error / timeout; the call neither raises nor hangs."""
+    from megatron_rl.envs.python_tool import PythonTool
+    from megatron_rl.envs.tools import ERROR, TIMEOUT, ToolRunner
+    from megatron_rl.rewards import pool
+
+    how = {}
+
+    class FakePool:
+        def __init__(self, n, preload=(), **kw):
+            if how["run"] == "start":
+                raise OSError("cannot spawn a worker")
+
+        def run(self, tasks):
+            if how["run"] == "hang":
+                time.sleep(0.4)  # past the runner's wait bound (0.2 s)
+            return [{"ok": pool.TaskResult("ok", (0, "42\n", "", False)),
+                     "died": pool.TaskResult("error", error="worker died (exit -9)"),
+                     "killed": pool.TaskResult("timeout")}.get(how["run"], pool.TaskResult("ok", (0, "", "", False)))
+                    for _ in tasks]
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(pool, "HardTimeoutPool", FakePool)
+    for run, error, text in (("ok", "", "42\n"), ("died", ERROR, "error: the tool failed: worker died (exit -9)"),
+                             ("killed", TIMEOUT, "error: the program did not finish within 0.5 s (killed)"),
+                             ("hang", TIMEOUT, "error: no tool worker answered within 0.2 s"),
+                             ("start", ERROR, "error: the tool failed: cannot spawn a worker")):
+        how["run"] = run
+        runner = ToolRunner(0.5, 1, wait_s=0.2)
+        try:
+            out = runner.run_python("print(42)")
+        finally:
+            runner.close()
+        assert (out.error, out.text) == (error, text), run
+    res = PythonTool(EnvConfig(), runner).step("```python\nprint(1)\n```")  # the runner is closed
+    assert res.error == ERROR and "the tool runner is closed" in res.observation and not res.done
+
+
 def test_calculator_is_exact_and_bounded():
     from megatron_rl.envs.calculator import calculate
 
