@@ -14,7 +14,6 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-import fake_run
 from megatron_rl.envs import Environment, StepResult, ToolOutput, register_env
 from megatron_rl.trainer.schema import load_run_config
 from test_every_key_acts import base_overrides, run_fake
@@ -43,11 +42,37 @@ def _rows(root: Path) -> list[dict]:
 
 
 def test_multi_turn_run_trains_logs_dumps_and_reports_trajectories(tmp_path):
+    """A synchronous run: env/* metrics, multi-turn evaluations, the dumps' turns, the report (a
+    tool's HTML escaped); the batch each step trains on is masked to each trajectory's model tokens,
+    so the policy's loss denominator counts model tokens only (the fake policy computes the same mask)."""
     from megatron_rl.analysis import analyze
+    from megatron_rl.models.batch import LOSS_MASK
+    from megatron_rl.trainer import phases
+
+    seen = []
+    real = phases.make_batch
+
+    def spy(ro, algo, *args):
+        batch, m = real(ro, algo, *args)
+        seen.append((ro, batch))
+        return batch, m
 
     cfg = _cfg(tmp_path, "envs.default_env=test_hostile_tool")
-    out = run_fake(cfg, tmp_path, observed=True)
+    phases.make_batch = spy
+    try:
+        out = run_fake(cfg, tmp_path, observed=True)
+    finally:
+        phases.make_batch = real
     assert out["code"] == 0, out["code"]
+    assert len([b for _, b in seen if b is not None]) >= 2
+    for ro, batch in seen:
+        if batch is None:
+            continue
+        comps = [ro.completions[i] for i in ro.batch_index]
+        for mask, c in zip(batch.token_fields[LOSS_MASK], comps):
+            assert mask.tolist() == c.model_tokens()
+        assert phases.response_tokens(batch) == sum(sum(c.loss_mask) for c in comps)
+        assert phases.response_tokens(batch) < sum(len(c.token_ids) for c in comps)
     root = Path(cfg.trainer.run_dir)
     steps = [r for r in _rows(root) if "env/trajectories" in r]
     assert len(steps) == 3 and all(r["env/trajectories"] == 12 for r in steps)
@@ -92,34 +117,3 @@ def test_multi_turn_async_runs_one_step_off_oversampled_and_resume_from_a_checkp
     out = run_fake(cfg, tmp_path / "r")
     assert out["code"] == 0, out["code"]
     assert len([r for r in _rows(root) if "env/trajectories" in r]) == 3
-
-
-def test_multi_turn_batch_masks_what_the_fake_policy_trains(tmp_path):
-    """The batch a multi-turn step trains on: its loss mask is each trajectory's, so the policy's
-    loss denominator counts model tokens only (the fake policy computes the same mask)."""
-    from megatron_rl.models.batch import LOSS_MASK
-    from megatron_rl.trainer import phases
-
-    seen = []
-    real = phases.make_batch
-
-    def spy(ro, algo, *args):
-        batch, m = real(ro, algo, *args)
-        seen.append((ro, batch, m))
-        return batch, m
-
-    phases.make_batch = spy
-    try:
-        cfg = _cfg(tmp_path, f"envs.default_env={fake_run.ENV}")
-        assert run_fake(cfg, tmp_path)["code"] == 0
-    finally:
-        phases.make_batch = real
-    assert seen
-    for ro, batch, _ in seen:
-        if batch is None:
-            continue
-        comps = [ro.completions[i] for i in ro.batch_index]
-        for mask, c in zip(batch.token_fields[LOSS_MASK], comps):
-            assert mask.tolist() == c.model_tokens()
-        assert phases.response_tokens(batch) == sum(sum(c.loss_mask) for c in comps)
-        assert phases.response_tokens(batch) < sum(len(c.token_ids) for c in comps)
