@@ -17,7 +17,13 @@ checkpointing) run on the CPU and give the single-rank numbers exactly.
   on the CPU;
 * Megatron's per-step context-parallel helpers that make a pinned index tensor and move it with
   ``.cuda()`` (``get_pos_emb_on_this_cp_rank``: this CP rank's rotary angles) run inside
-  :func:`megatron_cpu_scope`, which also drops ``pin_memory`` (there is no pinned allocator).
+  :func:`megatron_cpu_scope`, which also drops ``pin_memory`` (there is no pinned allocator);
+* Mixture-of-Experts, the alltoall token dispatcher (``moe/token_dispatcher.py``): its module sees a
+  ``torch.cuda`` whose ``Stream`` / ``current_stream`` / ``stream`` are no-op stand-ins (it copies
+  the routing counts to the host on a side CUDA stream; on the CPU they are there already), and its
+  ``maybe_move_tensor_to_cpu`` turns the all-to-all split sizes into numpy arrays for CPU tensors
+  too (Megatron's converts only CUDA tensors, and gloo's ``all_to_all_single`` refuses tensor split
+  sizes: a TypeError at expert parallelism > 1).
 
 :func:`megatron_cpu_scope` (a context manager, for the one-off and optimizer calls): a
 :class:`~torch.overrides.TorchFunctionMode` redirects every tensor created or moved to ``"cuda"`` /
@@ -197,6 +203,74 @@ def _patch_megatron_scoped() -> None:
         setattr(module, name, scoped)
 
 
+class _NoStream:
+    """A CUDA stream / event stand-in: on the CPU every copy is synchronous, so waiting is a no-op."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self, event=None) -> _NoStream:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, *args, **kwargs) -> None:
+        pass
+
+
+class _CpuStreamsCuda:
+    """``torch.cuda`` with no-op streams (``Stream``, ``current_stream``, ``stream``); every other
+    attribute is torch.cuda's own."""
+
+    _DEFAULT = _NoStream()
+
+    Stream = _NoStream
+
+    @staticmethod
+    def current_stream(device=None) -> _NoStream:
+        return _CpuStreamsCuda._DEFAULT
+
+    @staticmethod
+    def stream(stream=None):
+        return contextlib.nullcontext()
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _CpuStreamsTorch:
+    """``torch`` for the MoE token dispatcher: its ``cuda`` has no-op streams (see above)."""
+
+    cuda = _CpuStreamsCuda()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _host_splits(original):
+    """Megatron's ``maybe_move_tensor_to_cpu``, also giving numpy for CPU tensors when asked."""
+
+    def move(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    move._megatron_rl_host_splits = True
+    return move
+
+
+def _patch_megatron_moe() -> None:
+    try:
+        from megatron.core.transformer.moe import token_dispatcher
+    except ImportError:  # megatron-core absent
+        return
+    token_dispatcher.torch = _CpuStreamsTorch()
+    move = token_dispatcher.maybe_move_tensor_to_cpu
+    if not getattr(move, "_megatron_rl_host_splits", False):
+        token_dispatcher.maybe_move_tensor_to_cpu = _host_splits(move)
+
+
 def cpu_shim_active() -> bool:
     """Whether :func:`apply_cpu_shim` has patched this process."""
     return bool(_STATE["applied"])
@@ -215,6 +289,7 @@ def apply_cpu_shim() -> bool:
             _patch_megatron_rng()
             _patch_megatron_factories()
             _patch_megatron_scoped()
+            _patch_megatron_moe()
             _STATE["applied"] = True
     return True
 

@@ -25,6 +25,11 @@ holds on a GPU box without TE):
 
 The first two are no-ops where Megatron uses TE's / Apex's fused Adam; the last two apply to all
 (the last one only matters for torch Adam, whose state carries the step).
+
+One more, for Mixture-of-Experts without Transformer Engine: ``moe_utils.RouterGatingLinearFunction``
+(the router's linear, every MoE forward and backward) tests ``te_general_gemm is not None``, a name
+``moe_utils`` binds only when TE imports: a NameError on every router call.
+:func:`apply_megatron_fixes` binds it to None, which selects Megatron's own torch.mm path.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ def apply_megatron_fixes() -> None:
     if _STATE["applied"]:
         return
     _STATE["applied"] = True
+    _bind_missing_te_gemm()
     try:
         from megatron.core.optimizer import distrib_optimizer as do
         from megatron.core.optimizer import optimizer as mo
@@ -74,6 +80,15 @@ def apply_megatron_fixes() -> None:
 
     do.DistributedOptimizer._set_main_param_and_optimizer_states = set_states
     do.DistributedOptimizer.load_state_dict = load_state_dict
+
+
+def _bind_missing_te_gemm() -> None:
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:
+        return
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _restoring_step_zero(original, key: str | None):
