@@ -81,6 +81,10 @@ def read_moe_arch(cfg: dict, path: Path) -> MoEArch:
     norm = cfg.get("norm_topk_prob", model_type == "qwen3_moe")
     if not isinstance(norm, bool):
         raise HFModelError(f"{path}: norm_topk_prob must be true or false, got {norm!r}")
+    if norm and top_k == 1:
+        raise HFModelError(f"{path}: num_experts_per_tok=1 with norm_topk_prob=true (every token's "
+                           f"expert weighted 1) is not supported: Megatron's router takes top 1 "
+                           f"only from the full softmax")
     shared = 0
     if MOE_TYPES[model_type]:
         shared = _positive(cfg, "shared_expert_intermediate_size", path)
