@@ -77,14 +77,26 @@ def _hidden_states(policy) -> torch.Tensor:
     return hidden.transpose(0, 1).clone()
 
 
+def _micro_batches(policy, batch) -> list[list[int]]:
+    """The step's micro-batches (sequence indices), every data-parallel replica's, in rank order."""
+    from megatron_rl.models.micro_batches import plan_micro_batches
+
+    mine = [mb.index for mb in plan_micro_batches(batch, policy.groups, policy.cfg.micro_batch_tokens)
+            if not mb.dummy]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (policy.groups.dp_rank, mine))
+    return [idx for _, part in sorted(dict(every).items()) for idx in part]
+
+
 def run_layout(out, hf_dir, case, grads=True, hidden=False, **layout):
     policy = _policy(hf_dir, **layout)
     batch = make_batch(LENGTHS, PROMPTS)
     logps, ents = policy.compute_logprobs(batch, TEMPERATURE)
     states = _hidden_states(policy) if hidden else None
+    micro = _micro_batches(policy, batch)
     metrics = policy.train_step(batch, make_loss_fn(batch), TEMPERATURE, with_entropy=True)
     _save(out, case, {"logps": logps, "ents": ents, "metrics": metrics, "hidden": states,
-                      "grads": _export(policy, grads=True) if grads else None,
+                      "micro": micro, "grads": _export(policy, grads=True) if grads else None,
                       "weights": _export(policy)})
 
 

@@ -83,11 +83,14 @@ def write_hf_moe_model(out_dir: str | Path, arch: str = "qwen3_moe", *, experts:
 
 
 def write_hf_models(root: str | Path) -> Path:
-    """``root``/llama (untied), qwen2 (tied, qkv bias), qwen3 (q/k norms), 2 KV heads each."""
+    """``root``/llama (untied), qwen2 (tied, qkv bias), qwen3 (q/k norms), 2 KV heads each, and the
+    Mixture-of-Experts qwen3_moe and qwen2_moe (:func:`write_hf_moe_model`)."""
     root = Path(root)
     write_hf_model(root / "llama", "llama", tie=False, kv_heads=2)
     write_hf_model(root / "qwen2", "qwen2", tie=True, kv_heads=2)
     write_hf_model(root / "qwen3", "qwen3", tie=False, kv_heads=2)
+    write_hf_moe_model(root / "qwen3_moe", "qwen3_moe")
+    write_hf_moe_model(root / "qwen2_moe", "qwen2_moe")
     return root
 
 
