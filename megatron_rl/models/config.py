@@ -166,16 +166,18 @@ class ReferenceConfig(ConfigBase):
 @dataclasses.dataclass(kw_only=True)
 class MoEConfig(ConfigBase):
     """Mixture-of-Experts training signals (refused for dense models when set). Both losses are
-    Megatron's, per MoE layer, summed over the layers and averaged over the step's micro-batches,
-    and added to the policy objective; their values are logged as ``moe/aux_loss`` and
-    ``moe/z_loss`` (README, metrics)."""
+    Megatron's router losses, added to the policy objective; their values are logged as
+    ``moe/aux_loss`` and ``moe/z_loss`` (README, metrics)."""
 
-    # Coefficient of the load-balancing (auxiliary) loss, Megatron's switch-transformer loss
-    # E/(k T^2) sum_e (tokens routed to e) (router probability mass of e), which is 1 when the load
-    # is even; null: the model's router_aux_loss_coef (config.json); 0 turns it off.
+    # Coefficient of the load-balancing (auxiliary) loss in the objective: coef x the sum over the
+    # MoE layers of the mean over the step's micro-batches of Megatron's switch-transformer loss
+    # E / (k T^2) sum_e f_e P_e (T tokens, f_e top-k assignments to expert e, P_e its router
+    # probability mass; 1 when the load is even; padding excluded); null: the model's
+    # router_aux_loss_coef (config.json); 0 turns it off.
     aux_loss_coef: float | None = ranged(None, ge=0.0)
-    # Coefficient of the router z-loss (the mean over tokens of logsumexp(router logits)^2, keeping
-    # the logits small); 0: off.
+    # Coefficient of the router z-loss in the objective, summed and averaged as aux_loss_coef's:
+    # the mean over a micro-batch's tokens of logsumexp(router logits)^2 (keeps the logits small);
+    # 0: off.
     z_loss_coef: float = ranged(0.0, ge=0.0)
 
 
