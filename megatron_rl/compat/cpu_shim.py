@@ -23,7 +23,11 @@ checkpointing) run on the CPU and give the single-rank numbers exactly.
   the routing counts to the host on a side CUDA stream; on the CPU they are there already), and its
   ``maybe_move_tensor_to_cpu`` turns the all-to-all split sizes into numpy arrays for CPU tensors
   too (Megatron's converts only CUDA tensors, and gloo's ``all_to_all_single`` refuses tensor split
-  sizes: a TypeError at expert parallelism > 1).
+  sizes: a TypeError at expert parallelism > 1);
+* Mixture-of-Experts with expert tensor parallelism > 1: the dispatcher gathers each expert-TP
+  rank's tokens (``tensor_parallel.mappings._gather_along_first_dim`` with uneven split sizes), and
+  gloo's ``all_gather`` needs equal sizes: uneven shares are padded to the largest, all-gathered and
+  cut back (equal sizes go Megatron's way).
 
 :func:`megatron_cpu_scope` (a context manager, for the one-off and optimizer calls): a
 :class:`~torch.overrides.TorchFunctionMode` redirects every tensor created or moved to ``"cuda"`` /
@@ -43,6 +47,7 @@ import contextlib
 import threading
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 _LOCK = threading.Lock()
@@ -260,6 +265,24 @@ def _host_splits(original):
     return move
 
 
+def _uneven_gather(original):
+    """``_gather_along_first_dim`` whose uneven split sizes go through an equal-size all_gather."""
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        longest = max(sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+    gather._megatron_rl_uneven = True
+    return gather
+
+
 def _patch_megatron_moe() -> None:
     try:
         from megatron.core.transformer.moe import token_dispatcher
@@ -269,6 +292,11 @@ def _patch_megatron_moe() -> None:
     move = token_dispatcher.maybe_move_tensor_to_cpu
     if not getattr(move, "_megatron_rl_host_splits", False):
         token_dispatcher.maybe_move_tensor_to_cpu = _host_splits(move)
+    from megatron.core.tensor_parallel import mappings
+
+    if not getattr(mappings._gather_along_first_dim, "_megatron_rl_uneven", False):
+        mappings._gather_along_first_dim = _uneven_gather(mappings._gather_along_first_dim)
+
 
 
 def cpu_shim_active() -> bool:
