@@ -100,7 +100,7 @@ DENSE = ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=64)
     (dict(expert_parallel=2), 2, DENSE, "expert_parallel", "=2 needs a Mixture-of-Experts model; this model is dense"),
     (dict(expert_tensor_parallel=2), 2, DENSE, "expert_tensor_parallel", "needs a Mixture-of-Experts model"),
 ])
-def test_expert_layouts_that_do_not_fit_are_refused(layout, world, shape, key, says):
+def test_moe_expert_layouts_that_do_not_fit_are_refused(layout, world, shape, key, says):
     with pytest.raises(ConfigError) as e:
         check_layout(ParallelConfig(**layout), world, shape)
     assert e.value.key.endswith(key) and says in str(e.value), str(e.value)
@@ -113,5 +113,5 @@ def test_expert_layouts_that_do_not_fit_are_refused(layout, world, shape, key, s
     (dict(pipeline_parallel=2, expert_parallel=2, expert_tensor_parallel=2), 8, 4),
     (dict(context_parallel=2, expert_parallel=2), 4, 2),
 ])
-def test_expert_layouts_that_fit(layout, world, dp):
+def test_moe_expert_layouts_that_fit(layout, world, dp):
     assert check_layout(ParallelConfig(**layout), world, MOE) == dp
