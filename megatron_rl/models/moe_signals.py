@@ -13,7 +13,8 @@ over valid tokens of ``logsumexp(router logits)^2``). The policy adds
 
 to its objective: :class:`Router` attaches the micro-batch's losses unscaled (Megatron scales them
 by the micro-batch's token count when ``calculate_per_token_loss`` is on, which the policy's summed
-losses need for the main loss), and :meth:`MoESignals.begin_step` sets the coefficients to
+losses need for the main loss) and takes the z-loss's mean over the whole micro-batch's valid tokens
+(Megatron's is a mean of the tensor- / context-parallel ranks' means), and :meth:`MoESignals.begin_step` sets the coefficients to
 ``coef / M`` for the step's M micro-batches (all data-parallel ranks), 0 on a rank that runs only a
 stand-in micro-batch. Padding tokens are excluded (the forward passes Megatron a padding mask).
 
@@ -43,14 +44,34 @@ def router_class() -> type:
     """:class:`Router` (built on first use: Megatron is imported lazily)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     class Router(TopKRouter):
         """Megatron's top-k router whose auxiliary losses are per micro-batch, not multiplied by the
         micro-batch's token count (the policy averages them over the step's micro-batches by the
-        coefficient it sets: :class:`MoESignals`)."""
+        coefficient it sets: :class:`MoESignals`), and whose z-loss is the mean over ALL the
+        micro-batch's valid tokens: Megatron's averages each tensor- / context-parallel rank's own
+        tokens and then the ranks, which weighs a token by how much padding its rank holds."""
 
         def __init__(self, config, pg_collection=None):
             super().__init__(config=config, pg_collection=pg_collection)
             self.calculate_per_token_loss = False
+
+        def apply_z_loss(self, logits, padding_mask=None):
+            coef = self.config.moe_z_loss_coeff
+            if coef is None or not self.training or not torch.is_grad_enabled():
+                return logits
+            squares = torch.logsumexp(logits, dim=-1).square()
+            if padding_mask is not None:
+                squares = squares.masked_fill(padding_mask.reshape(-1), 0.0)
+                tokens = (~padding_mask).sum().to(torch.float64)
+            else:
+                tokens = torch.tensor(float(squares.numel()), dtype=torch.float64,
+                                      device=squares.device)
+            if self.tp_cp_group.size() > 1:  # (a plain all-reduce: the count has no gradient)
+                dist.all_reduce(tokens, group=self.tp_cp_group)
+            z_loss = coef * squares.sum() / tokens.clamp(min=1).to(squares.dtype)
+            return MoEAuxLossAutoScaler.apply(logits, z_loss)
 
     return Router
 

@@ -104,7 +104,8 @@ def run_round_trip(out, hf_root):
     """HF -> Megatron -> HF before any step, at layouts that split every MoE tensor."""
     result = {}
     for arch in ("qwen3_moe", "qwen2_moe"):
-        for name, layout in (("tp2_ep2", dict(tp=2, ep=2)), ("pp2_etp2_ep2", dict(pp=2, ep=2, etp=2))):
+        for name, layout in (("tp2_ep2", dict(tp=2, ep=2)), ("etp2_ep2", dict(ep=2, etp=2)),
+                             ("pp2_ep2", dict(pp=2, ep=2))):
             result[f"{arch}/{name}"] = _export(_policy(hf_root / arch, **layout))
     _save(out, "roundtrip", result)
 
