@@ -113,3 +113,26 @@ def test_moe_metrics_match_the_reference(arch, results):
         share = counts / counts.sum()
         assert m[f"moe/load_max/layer_{layer}"] == pytest.approx(float(share.max()), abs=1e-12)
         assert m[f"moe/load_min/layer_{layer}"] == pytest.approx(float(share.min()), abs=1e-12)
+
+
+def test_moe_trained_policy_is_freed(tmp_path, groups):
+    """A MoE policy after a training step is garbage, with its process groups' threads (Megatron's
+    dispatcher kept its last ``probs``, whose graph closes a cycle through DDP's gradient hooks:
+    compat.megatron_fixes)."""
+    import gc
+    import weakref
+
+    from megatron_rl.models import ParallelConfig, PolicyConfig
+    from megatron_rl.models.policy import MegatronPolicy
+
+    hf = write_hf_moe_model(tmp_path / "m", "qwen3_moe")
+
+    def step():
+        policy = MegatronPolicy.from_hf(str(hf), PolicyConfig(parallel=ParallelConfig()), groups)
+        batch = make_batch(LENGTHS[:2], PROMPTS[:2])
+        policy.train_step(batch, make_loss_fn(batch), 1.0, with_entropy=True)
+        return weakref.ref(policy.optimizer), weakref.ref(policy.model[0].module)
+
+    refs = step()
+    gc.collect()
+    assert all(r() is None for r in refs)
