@@ -81,8 +81,7 @@ def export_hf_weights(arch: HFArch, chunks: list, groups: ParallelGroups,
         if rule.expert is None:
             holds = groups.dp_rank == 0 and groups.cp_rank == 0
             group = groups.tp_group
-            # stage pp_rank's TP-rank-0 of replica 0: pp_ranks[pp_rank] in rank 0's pipeline
-            source = groups.pp_ranks[pp_rank]
+            source = groups.stage_owners[pp_rank]
         else:
             ep_rank = expert_owner(arch.moe, groups.ep, rule.expert)
             holds = groups.ep_rank == ep_rank and groups.edp_rank == 0

@@ -99,6 +99,9 @@ class ParallelGroups:
     # expert_owners[pp_rank][ep_rank]: the global rank holding that stage's experts of that EP rank
     # at expert-TP rank 0 of expert-DP replica 0 (where an export gathers them).
     expert_owners: tuple[tuple[int, ...], ...] = ((0,),)
+    # stage_owners[pp_rank]: the global rank of that stage's TP rank 0 in data- and context-parallel
+    # replica 0 (where an export gathers the stage's other tensors); the same on every rank.
+    stage_owners: tuple[int, ...] = (0,)
 
     @property
     def is_first_stage(self) -> bool:
@@ -288,21 +291,26 @@ def init_distributed(cfg: ParallelConfig, timeout_s: float | None = None,
 
 
 def _expert_groups(cfg: ParallelConfig, world_size: int) -> dict:
-    """The expert grid's sizes, this rank's place in it, its groups and where each (stage, EP rank)'s
-    experts are gathered (one all-gather of every rank's coordinates)."""
+    """The expert grid's sizes, this rank's place in it, its groups, and where each stage's tensors
+    and each (stage, EP rank)'s experts are gathered (one all-gather of every rank's coordinates)."""
     from megatron.core import parallel_state as ps
 
     ep, etp, pp = cfg.expert_parallel, cfg.etp, cfg.pipeline_parallel
     place = (ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank(),
-             ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank())
+             ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank(),
+             ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+             and ps.get_context_parallel_rank() == 0)
     places = [place]
     if world_size > 1:
         places = [None] * world_size
         dist.all_gather_object(places, place)
     owners = [[-1] * ep for _ in range(pp)]
-    for rank, (pp_rank, ep_rank, etp_rank, edp_rank) in enumerate(places):
+    stages = [-1] * pp
+    for rank, (pp_rank, ep_rank, etp_rank, edp_rank, stage_first) in enumerate(places):
         if etp_rank == 0 and edp_rank == 0:
             owners[pp_rank][ep_rank] = rank
+        if stage_first:
+            stages[pp_rank] = rank
     etp_group = ps.get_expert_tensor_parallel_group()
     return dict(
         ep=ep, ep_rank=place[1], etp=etp, etp_rank=place[2],
@@ -311,6 +319,7 @@ def _expert_groups(cfg: ParallelConfig, world_size: int) -> dict:
         edp_group=ps.get_expert_data_parallel_group(),
         etp_ranks=tuple(dist.get_process_group_ranks(etp_group)),
         expert_owners=tuple(tuple(row) for row in owners),
+        stage_owners=tuple(stages),
     )
 
 
