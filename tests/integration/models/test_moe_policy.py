@@ -136,3 +136,30 @@ def test_moe_trained_policy_is_freed(tmp_path, groups):
     refs = step()
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_moe_recompute_keeps_the_objective_and_metrics(results, groups):
+    """With full activation recomputation every router runs twice per micro-batch, the first time
+    without autograd: the objective (gradients) and the metrics are the run's without it."""
+    from megatron_rl.models import OptimConfig, ParallelConfig, PolicyConfig, RecomputeConfig
+    from megatron_rl.models.config import MoEConfig
+    from megatron_rl.models.policy import MegatronPolicy
+
+    r = results["qwen3_moe"]
+    recompute = RecomputeConfig(granularity="full")
+    cfg = PolicyConfig(parallel=ParallelConfig(), micro_batch_tokens=48, layer_spec="local",
+                       optim=OptimConfig(lr=1e-3, clip_grad=0.0), recompute=recompute,
+                       moe=MoEConfig(aux_loss_coef=AUX, z_loss_coef=ZLOSS))
+    policy = MegatronPolicy.from_hf(str(r["hf"]), cfg, groups)
+    batch = make_batch(LENGTHS, PROMPTS)
+    calls = []
+    for layer in policy.model[0].module.decoder.layers:
+        layer.mlp.router.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+    metrics = policy.train_step(batch, make_loss_fn(batch), TEMPERATURE, with_entropy=True)
+    assert len(calls) == 2 * sum(calls) > 0  # each router ran twice, once with autograd
+    grads = {n: t for n, t in policy.export_hf_grads()}
+    for name, g in r["grads"].items():
+        assert torch.allclose(grads[name], g, rtol=1e-6, atol=1e-7), name
+    for key, value in r["metrics"].items():
+        if key.startswith("moe/"):
+            assert metrics[key] == pytest.approx(value, rel=1e-9), key
