@@ -127,7 +127,24 @@ def build_model_chunks(arch: HFArch, groups: ParallelGroups, params_dtype: torch
             rotary_base=arch.rope_theta,
             vp_stage=vp_stage,
         ))
+    if arch.moe is not None:
+        _experts_always_expert_parallel(chunks)
     return chunks
+
+
+def _experts_always_expert_parallel(chunks: list) -> None:
+    """Mark every routed expert's parameters expert-parallel (``allreduce = False``) also at EP = 1.
+
+    Megatron marks them only when EP > 1; the optimizer then puts them in a second, chained optimizer
+    (its gradients reduced over the expert-data-parallel group, which at EP = 1 is data x context
+    parallel: the same sum) and its checkpoint keys carry the chain (``chained_1.``...). Marked
+    always, the optimizer and its checkpoints have one structure at every EP size: a checkpoint
+    saved at EP = 2 loads at EP = 1 and back.
+    """
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            for param in layer.mlp.experts.parameters():
+                param.allreduce = False
 
 
 def output_weight(chunk) -> torch.Tensor:
