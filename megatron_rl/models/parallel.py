@@ -89,6 +89,18 @@ class ParallelGroups:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
+    def global_rank(self, *, pp: int, tp: int = 0, cp: int = 0, dp: int = 0) -> int:
+        """The global rank at these coordinates of this layout (Megatron's rank order
+        ``tp-cp-ep-dp-pp``: tensor-parallel ranks are neighbours, pipeline stages the outermost
+        blocks; :func:`init_distributed` checks every rank's own coordinates against it). Any rank
+        can name any other without communicating: e.g. each stage's TP-rank-0 of replica 0, the rank
+        that sends that stage's weights (``models.hf_export.export_plan``)."""
+        for name, value, size in (("pp", pp, self.pp), ("tp", tp, self.tp), ("cp", cp, self.cp),
+                                  ("dp", dp, self.dp)):
+            if not 0 <= value < size:
+                raise ValueError(f"{name} rank {value} is outside this layout's {name} size {size}")
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
     def barrier(self) -> None:
         """Wait for every rank of the world (a no-op in a one-rank world)."""
         if self.world_size > 1:
@@ -208,7 +220,7 @@ def init_distributed(cfg: ParallelConfig, timeout_s: float | None = None,
     _GENERATION["value"] += 1
     _GENERATION["layout"] = dict(zip(("tensor_parallel", "pipeline_parallel", "virtual_pipeline",
                                       "context_parallel"), layout))
-    return ParallelGroups(
+    groups = ParallelGroups(
         world_size=world_size, rank=world_rank,
         tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, dp=dp, vpp=cfg.vpp,
         tp_rank=ps.get_tensor_model_parallel_rank(),
@@ -228,6 +240,19 @@ def init_distributed(cfg: ParallelConfig, timeout_s: float | None = None,
         cp_rank=ps.get_context_parallel_rank(),
         cp_group=ps.get_context_parallel_group(),
     )
+    _check_rank_order(groups)
+    return groups
+
+
+def _check_rank_order(g: ParallelGroups) -> None:
+    """This rank's coordinates and its pipeline's ranks agree with :meth:`ParallelGroups.global_rank`
+    (a Megatron whose rank order differs fails here, not in a sync that sends from wrong ranks)."""
+    mine = g.global_rank(pp=g.pp_rank, tp=g.tp_rank, cp=g.cp_rank, dp=g.dp_rank)
+    stages = tuple(g.global_rank(pp=p, tp=g.tp_rank, cp=g.cp_rank, dp=g.dp_rank) for p in range(g.pp))
+    if mine != g.rank or stages != g.pp_ranks:
+        raise RuntimeError(f"Megatron's rank order is not tp-cp-dp-pp: rank {g.rank} (tp {g.tp_rank}, cp "
+                           f"{g.cp_rank}, dp {g.dp_rank}, pp {g.pp_rank}) computes as {mine}, its "
+                           f"pipeline {g.pp_ranks} as {stages}")
 
 
 def chunk_ends(groups: ParallelGroups, vp_stage: int | None) -> tuple[bool, bool]:

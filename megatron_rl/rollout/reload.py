@@ -12,6 +12,7 @@ body and the base model's output layer.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterable
 
 import torch
@@ -45,3 +46,20 @@ def reload_in_place(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
     tensors, then :func:`refresh_tied_layers`. Returns how many layers were refreshed."""
     worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
     return refresh_tied_layers(worker.model_runner.get_model())
+
+
+def serialise(weights: list[tuple[str, torch.Tensor]]) -> bytes:
+    """HF-named tensors as one blob for an engine core in another process (vLLM's own channel turns
+    tensors in a ``collective_rpc`` into lists). Tensors may share storage (views of one bucket)."""
+    buf = io.BytesIO()
+    torch.save([(name, t.detach().cpu()) for name, t in weights], buf)
+    return buf.getvalue()
+
+
+class ReloadWorkerExtension:
+    """Mixed into the workers of an engine whose core runs in its own process
+    (``worker_extension_cls``): :func:`reload_in_place` of a :func:`serialise` blob, by name."""
+
+    def mrl_reload(self, blob: bytes) -> int:
+        weights = torch.load(io.BytesIO(blob), weights_only=True)
+        return reload_in_place(self, weights)
