@@ -128,6 +128,8 @@ def sender_plans(info: GlooWeightTransferUpdateInfo, senders: int, bucket_bytes:
     """Per sender, its buckets (lists of (name, meta tensor)): what it sends and every worker
     receives from it, cut by both ends alike."""
     metas = list(meta_tensors(info.names, info.dtype_names, info.shapes))
+    if info.senders and not 0 <= min(info.senders) <= max(info.senders) < senders:
+        raise ValueError(f"update info names senders {sorted(set(info.senders))}, the transfer has {senders}")
     out = []
     for k in range(senders):
         mine = [m for i, m in enumerate(metas) if info.sender_of(i) == k]
