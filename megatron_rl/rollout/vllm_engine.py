@@ -86,7 +86,7 @@ class VLLMEngine(RolloutEngine):
         )
         if cfg.kv_cache_bytes:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
-        cfg.check_model(model_path)
+        cfg.check_engine(model_path, gpus=torch.cuda.is_available())
         if cfg.expert_parallel:
             kwargs["enable_expert_parallel"] = True
         if self.separate_core:  # the weights arrive by a method name (a function would need pickling)

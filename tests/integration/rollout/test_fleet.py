@@ -1207,14 +1207,29 @@ def observe_launch(cfg, env):
     return {"registry": str(launcher.registry.dir), "servers": servers}
 
 
-def observe_launch_moe(cfg, env):
-    """:func:`observe_launch` for a Mixture-of-Experts model (the engines' expert-parallel flag
-    needs one: a dense model is refused before any server starts)."""
+def observe_gpu_engine_args(cfg, env):
+    """What a GPU node's launcher would start for a Mixture-of-Experts model (the engines' expert-
+    parallel flag needs both; on this CPU box it is refused before any server starts): each server's
+    command line as vLLM's own parser reads it into its engine arguments."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from megatron_rl.rollout.launcher import ENTRY, node_specs
+
     moe = Path(env["root"]) / "moe_model"
     if not (moe / "config.json").exists():
         write_tiny_model(moe, TinySpec(arch="qwen3_moe", hidden_size=64, intermediate_size=128, num_layers=1,
                                        num_heads=2, num_kv_heads=2, num_experts=4, moe_intermediate_size=32, seed=1))
-    return observe_launch(cfg, {**env, "model": str(moe)})
+    specs = node_specs(node="gpu", host="127.0.0.1", count=1, model=str(moe), rollout=cfg.rollout, max_model_len=64,
+                       gpus_per_engine=cfg.rollout.tensor_parallel_size)
+    out = []
+    for spec in specs:
+        argv = spec.command()
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[argv.index(ENTRY) + 1:])
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        out.append({f: repr(getattr(engine_args, f)) for f in sorted(vars(engine_args)) if f not in ("port", "host")})
+    return out
 
 
 def observe_fleet(cfg, env):
@@ -1453,7 +1468,7 @@ FLEET_PROBES = {
     "rollout.kv_cache_bytes": FleetProbe("33554432", observe_launch, LAUNCH),
     "rollout.gpu_memory_utilization": FleetProbe("0.3", observe_launch, [*LAUNCH, "rollout.kv_cache_bytes=0"]),
     "rollout.tensor_parallel_size": FleetProbe("2", observe_launch, LAUNCH),
-    "rollout.expert_parallel": FleetProbe("true", observe_launch_moe, [*LAUNCH, "rollout.tensor_parallel_size=2"]),
+    "rollout.expert_parallel": FleetProbe("true", observe_gpu_engine_args, ["rollout.tensor_parallel_size=2"]),
     "rollout.enforce_eager": FleetProbe("false", observe_launch, LAUNCH),
     "rollout.max_num_seqs": FleetProbe("8", observe_launch, LAUNCH),
     "sync.transport": FleetProbe("nccl", observe_launch, LAUNCH),

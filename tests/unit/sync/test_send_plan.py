@@ -97,6 +97,8 @@ def test_engine_expert_parallel_needs_tp_and_a_moe_model(tmp_path):
     (tmp_path / "moe").mkdir()
     (tmp_path / "moe" / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 8}))
     with pytest.raises(ConfigError, match="has none"):
-        cfg.check_model(str(tmp_path / "dense"))
-    cfg.check_model(str(tmp_path / "moe"))
-    RolloutConfig(tensor_parallel_size=2).check_model(str(tmp_path / "dense"))  # off: nothing to check
+        cfg.check_engine(str(tmp_path / "dense"), gpus=True)
+    cfg.check_engine(str(tmp_path / "moe"), gpus=True)
+    with pytest.raises(ConfigError, match="vLLM's CPU MoE kernels cannot hold a share of the experts"):
+        cfg.check_engine(str(tmp_path / "moe"), gpus=False)
+    RolloutConfig(tensor_parallel_size=2).check_engine(str(tmp_path / "dense"), gpus=False)  # off: nothing to check
