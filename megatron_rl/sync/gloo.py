@@ -202,7 +202,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         try:
             plans = sender_plans(update_info, len(self.groups), info.bucket_bytes)
             sums: list[list[torch.Tensor]] = [[] for _ in plans]
-            # per sender: its next buckets in flight (two: one arrives while one loads)
+            # per sender: its buckets in flight (at most two: the next arrives while one loads)
             pending: list[deque] = [deque() for _ in plans]
             posted = [0] * len(plans)
 
@@ -215,16 +215,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
             for k in range(len(plans)):
                 post(k)
-                post(k)
             while any(pending):
                 for k in range(len(plans)):  # a fixed round-robin over the senders
                     if not pending[k]:
                         continue
+                    post(k)  # its next bucket arrives while this one is waited for and loaded
                     items, data, work = pending[k].popleft()
                     t1 = time.perf_counter()
                     work.wait()
                     t2 = time.perf_counter()
-                    post(k)
                     if info.verify:
                         sums[k].append(hash_tensor(data))
                     t3 = time.perf_counter()

@@ -1,6 +1,6 @@
 """torchrun worker of test_fleet.py's owned-export sync test (``--nproc-per-node 4``).
 
-For each layout of ``spec["layouts"]`` (PP=2 x DP=2, TP=2 x PP=2) every rank builds the Megatron
+For each layout of ``spec["layouts"]`` (``parallel``: policy.parallel keys) every rank builds the Megatron
 policy from that layout's checkpoint and syncs it, each pipeline stage's sender streaming its own
 tensors (``sync.senders=owners``), into an in-process vLLM engine on rank 0 and into the module's
 vLLM servers (gloo). Around each sync every rank counts the bytes it sends and receives through
@@ -125,7 +125,7 @@ def main() -> None:
                               names=spec["names"])
     results = []
     for layout in spec["layouts"]:
-        par = ParallelConfig(tensor_parallel=layout["tp"], pipeline_parallel=layout["pp"], timeout_s=120)
+        par = ParallelConfig(**layout["parallel"], timeout_s=120)
         groups = init_distributed(par)
         policy = MegatronPolicy.from_hf(layout["model"], PolicyConfig(parallel=par, optim=OptimConfig(lr=1e-3)),
                                         groups)

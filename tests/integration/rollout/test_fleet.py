@@ -992,7 +992,8 @@ def test_fleet_owned_export_pp2_and_tp2pp2_torchrun_streams_each_stage_into_inpr
         _retrain(hf, seed=100 + i)
         hf.save_pretrained(path, safe_serialization=True)
         refs[name] = hf
-        layouts.append({"name": name, "tp": tp, "pp": 2, "model": str(path), "version": _next_version(fleet_env)})
+        layouts.append({"name": name, "tp": tp, "parallel": {"tensor_parallel": tp, "pipeline_parallel": 2},
+                        "model": str(path), "version": _next_version(fleet_env)})
     spec = {"engine_model": fleet_env["model"], "registry": fleet_env["registry"], "names": NAMES,
             "fleet": _cfg().to_dict(), "prompts": PROMPTS[:4], "layouts": layouts}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
