@@ -1,7 +1,9 @@
 """One-sender weight sync, checkout A vs checkout B, in one run: has a change made the common sync
 (one trainer rank sending to vLLM servers over gloo) slower?
 
-For each round, alternating A, B, A, B, ...: two vLLM servers started from that checkout's code (the
+For each round, A then B, then B then A in the next round (a checkout that always ran second would
+start beside the first one's servers still shutting down): two vLLM servers started from that
+checkout's code (the
 gloo backend runs inside them) on a synthetic Qwen2-like model with many small tensors, a first
 untimed sync that forms the transfer group, then ``--syncs`` timed syncs through that checkout's
 ``build_weight_sync`` (verification on: checksums and the version check; no probe). Printed: each
@@ -20,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HOSTS = ["127.0.0.2", "127.0.0.3"]
@@ -64,18 +67,20 @@ def one_round(args) -> None:
         sync = build_weight_sync(SyncConfig(transport="gloo", bucket_bytes=args.bucket_mib * MiB, timeout_s=300.0),
                                  fleet, metadata=meta)
         sync.sync(iter(named), 1)  # forms the group
-        times = []
+        times, phases = [], {}
         for v in range(args.syncs):
             t0 = time.perf_counter()
             m = sync.sync(iter(named), v + 2)
             times.append(time.perf_counter() - t0)
             assert m.complete and not m.failures, m
+            for k, x in (m.phases or {}).items():
+                phases.setdefault(k, []).append(x)
         sync.close()
         fleet.close()
     finally:
         launcher.stop()
     total = sum(t.numel() * t.element_size() for _, t in named)
-    Path(args.out).write_text(json.dumps({"times": times, "mib": total / MiB, "tensors": len(named),
+    Path(args.out).write_text(json.dumps({"times": times, "phases": phases, "mib": total / MiB, "tensors": len(named),
                                           "load": open("/proc/loadavg").read().split()[0]}))
     del torch
 
@@ -89,6 +94,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--bucket-mib", type=int, default=16)
     ap.add_argument("--work-dir", default="/tmp/mrl_sync_ab")
+    ap.add_argument("--pause-s", type=float, default=10.0, help="pause between rounds")
     ap.add_argument("--round", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -96,9 +102,10 @@ def main() -> None:
         return one_round(args)
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
     results = {"a": [], "b": []}
+    phases: dict = {"a": {}, "b": {}}
     meta = {}
     for r in range(args.rounds):
-        for key in ("a", "b"):
+        for key in (("a", "b") if r % 2 == 0 else ("b", "a")):
             checkout = str(Path(getattr(args, key)).resolve())
             out = Path(args.work_dir) / f"{key}{r}.json"
             proc = subprocess.run([sys.executable, __file__, "--round", "--a", args.a, "--out", str(out),
@@ -111,11 +118,17 @@ def main() -> None:
                 raise SystemExit(f"round {key}{r} failed")
             res = json.loads(out.read_text())
             results[key] += res["times"]
+            for k, xs in res["phases"].items():
+                phases[key].setdefault(k, []).extend(xs)
             meta = res
             print(f"round {r} {key}: median {statistics.median(res['times']):.3f} s (load {res['load']})", flush=True)
+            time.sleep(args.pause_s)  # the servers' processes are gone before the next round starts
     a, b = statistics.median(results["a"]), statistics.median(results["b"])
     print(f"\none-sender sync of {meta['mib']:.0f} MiB in {meta['tensors']} tensors to 2 servers: "
           f"A {a:.3f} s, B {b:.3f} s (medians of {len(results['a'])} syncs each); B / A = {b / a:.3f}")
+    for key in ("a", "b"):
+        print(f"{key} phases (medians, s): " + ", ".join(f"{k} {statistics.median(v):.3f}"
+                                                       for k, v in sorted(phases[key].items())))
     print(json.dumps({"a_s": round(a, 4), "b_s": round(b, 4), "b_over_a": round(b / a, 3),
                       "mib": round(meta["mib"], 1), "tensors": meta["tensors"], "syncs_each": len(results["a"])}))
 

@@ -50,7 +50,7 @@ from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactor
                                                       WeightTransferTrainerFactory)
 from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
-from megatron_rl.rollout.reload import refresh_tied_layers
+from megatron_rl.rollout.reload import refresh_cpu_moe_experts, refresh_tied_layers
 from megatron_rl.sync.buckets import (bucket_nbytes, group_by_dtype, hash_tensor, meta_tensors, nbytes,
                                       pack)
 from megatron_rl.sync.group import allgather, broadcast, host_store, make_group, sender_prefix, wait_works
@@ -151,6 +151,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.info: GlooWeightTransferInitInfo | None = None
         self.rank = -1
         self.reloading = False
+        self._loaded: list[str] = []
         # What the last round received (also readable through /collective_rpc, see the extension).
         self.last_round: dict = {}
         self._reload_seconds: dict[str, float] = {}  # vLLM's layerwise reload: start, finish
@@ -172,6 +173,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         t0 = time.perf_counter()
         initialize_layerwise_reload(self.model)
         self.reloading = True
+        self._loaded: list[str] = []  # the checkpoint names loaded in this reload
         self._reload_seconds = {"start_seconds": time.perf_counter() - t0}
 
     def finish_weight_update(self) -> None:
@@ -186,6 +188,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             self.reloading = False
             finalize_layerwise_reload(self.model, self.model_config)
             refresh_tied_layers(self.model)  # a tied output layer's packed copy follows the embedding
+            refresh_cpu_moe_experts(self.model, self._loaded)  # CPU experts: packed again
+            self._loaded = []
 
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which CPU builds lack; the
@@ -230,6 +234,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                     self.model.load_weights(unpack_tensor(
                         data, [n for n, _ in items], [list(t.shape) for _, t in items],
                         [t.dtype for _, t in items], [nbytes(t) for _, t in items]))
+                    self._loaded.extend(n for n, _ in items)
                     wait_s, hash_s, load_s = wait_s + t2 - t1, hash_s + t3 - t2, load_s + time.perf_counter() - t3
                     received += data.numel()
                     tensors += len(items)
