@@ -20,9 +20,12 @@ every worker; each sender cuts its own tensors into buckets and broadcasts them 
 senders at once; every worker receives from all of them (two buckets in flight per sender, loaded in
 a fixed round-robin order). No sender receives another's bytes.
 
-On top of vLLM's protocol: one checksum per packed bucket, computed by the sender while the bucket
-is in flight and by every worker on what it received, exchanged in one all-gather at the end of the
-round, so the sender knows which engine received what (``GlooTrainerWeightTransferEngine.report``);
+On top of vLLM's protocol: one checksum per packed bucket (:data:`BUCKET_HASH`, the one definition
+both ends use: XXH3-64 of the bucket's bytes in host memory), computed by the sender while the
+bucket is in flight and by every worker on a side thread while it loads the bucket (and the next
+one arrives), exchanged in one all-gather at the end of the round, so the sender knows which engine
+received what (``GlooTrainerWeightTransferEngine.report``); whether a round is checksummed travels
+with its update info (``verify``);
 every wait has a timeout; a worker whose stream is cut restores the layers the reload had displaced
 (the weights are then a mix of old and new, which the sender records as an unknown version).
 
@@ -51,14 +54,15 @@ from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactor
 from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
 from megatron_rl.rollout.reload import refresh_cpu_moe_experts, refresh_tied_layers
-from megatron_rl.sync.buckets import (bucket_nbytes, group_by_dtype, hash_tensor, meta_tensors, nbytes,
-                                      pack)
+from megatron_rl.sync.buckets import bucket_nbytes, group_by_dtype, host_digest, meta_tensors, nbytes, pack
 from megatron_rl.sync.group import allgather, broadcast, host_store, make_group, sender_prefix, wait_works
 from megatron_rl.sync.vllm_protocol import ServerTransport, ServerWeightSync
 
 log = logging.getLogger("megatron_rl")
 
 BACKEND = "gloo"
+# The bucket checksum of this transport, on both ends: the buckets travel through host memory.
+BUCKET_HASH = host_digest
 
 
 # ------------------------------------------------------------------------------------- wire info
@@ -99,12 +103,13 @@ class GlooTrainerInitInfo(TrainerInitInfo):
 
 @dataclasses.dataclass
 class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
-    """Per round: the parameters in export order, and each one's sender (its index; empty: all from
-    sender 0)."""
+    """Per round: the parameters in export order, each one's sender (its index; empty: all from
+    sender 0), and whether the round is checksummed (every worker hashes each bucket it receives)."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    verify: bool = True
     senders: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
@@ -118,10 +123,10 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         return self.senders[i] if self.senders else 0
 
 
-def update_info(meta: list[ParamMeta], senders: list[int] | None = None) -> dict:
+def update_info(meta: list[ParamMeta], verify: bool = True, senders: list[int] | None = None) -> dict:
     return dataclasses.asdict(GlooWeightTransferUpdateInfo(
         names=[m.name for m in meta], dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
-        shapes=[list(m.shape) for m in meta], senders=list(senders or [])))
+        shapes=[list(m.shape) for m in meta], verify=verify, senders=list(senders or [])))
 
 
 def sender_plans(info: GlooWeightTransferUpdateInfo, senders: int, bucket_bytes: int) -> list[list]:
@@ -151,7 +156,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.info: GlooWeightTransferInitInfo | None = None
         self.rank = -1
         self.reloading = False
-        self._loaded: list[str] = []
+        self._loaded: list[str] = []  # the checkpoint names loaded in this reload
         # What the last round received (also readable through /collective_rpc, see the extension).
         self.last_round: dict = {}
         self._reload_seconds: dict[str, float] = {}  # vLLM's layerwise reload: start, finish
@@ -173,7 +178,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         t0 = time.perf_counter()
         initialize_layerwise_reload(self.model)
         self.reloading = True
-        self._loaded: list[str] = []  # the checkpoint names loaded in this reload
+        self._loaded = []
         self._reload_seconds = {"start_seconds": time.perf_counter() - t0}
 
     def finish_weight_update(self) -> None:
@@ -201,11 +206,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             raise RuntimeError("gloo weight transfer is not initialised (init_weight_transfer_engine first)")
         info = self.info
         t0 = time.perf_counter()
+        verify = update_info.verify
         received = tensors = 0
-        wait_s = load_s = hash_s = 0.0  # blocked on the broadcast, in load_weights, hashing
+        wait_s = load_s = 0.0  # blocked on the broadcasts, in load_weights
+        # the checksums run on a side thread, beside load_weights and the next bucket's receive (the
+        # hash releases the GIL); each keeps its buffer alive until it is hashed
+        hasher = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gloo-hash") if verify else None
+        digests: list = []
         try:
             plans = sender_plans(update_info, len(self.groups), info.bucket_bytes)
-            sums: list[list[torch.Tensor]] = [[] for _ in plans]
+            sums: list[list[cf.Future]] = [[] for _ in plans]
             # per sender: its buckets in flight (at most two: the next arrives while one loads)
             pending: list[deque] = [deque() for _ in plans]
             posted = [0] * len(plans)
@@ -228,35 +238,42 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                     t1 = time.perf_counter()
                     work.wait()
                     t2 = time.perf_counter()
-                    if info.verify:
-                        sums[k].append(hash_tensor(data))
-                    t3 = time.perf_counter()
+                    if hasher is not None:
+                        sums[k].append(hasher.submit(_timed_digest, data))
                     self.model.load_weights(unpack_tensor(
                         data, [n for n, _ in items], [list(t.shape) for _, t in items],
                         [t.dtype for _, t in items], [nbytes(t) for _, t in items]))
                     self._loaded.extend(n for n, _ in items)
-                    wait_s, hash_s, load_s = wait_s + t2 - t1, hash_s + t3 - t2, load_s + time.perf_counter() - t3
+                    wait_s, load_s = wait_s + t2 - t1, load_s + time.perf_counter() - t2
                     received += data.numel()
                     tensors += len(items)
+            t3 = time.perf_counter()
+            digests = [[f.result(timeout=info.timeout_s) for f in fs] for fs in sums]
+            hash_tail = time.perf_counter() - t3  # what hashing added after the last load
             # each sender collects what every worker received of its buckets
-            vectors = [torch.stack(v) if v else torch.zeros(len(p), dtype=torch.int64)
-                       for v, p in zip(sums, plans)]
+            vectors = [torch.tensor([d for d, _ in ds], dtype=torch.int64) if ds
+                       else torch.zeros(len(p), dtype=torch.int64) for ds, p in zip(digests, plans)]
             works = [allgather(g, v)[0] for g, v in zip(self.groups, vectors)]
             for work in works:
                 work.wait()
         except BaseException:
-            # The stream was cut: put back the layers the reload had displaced (they keep a mix of
-            # old and new weights, which the sender records as an unknown version), leave the
-            # broken groups.
+            # The stream was cut: put back the layers the reload had displaced (they keep a mix of old and
+            # new weights, which the sender records as an unknown version), leave the broken groups.
             self._finish_reload()
             self.shutdown()
             raise
+        finally:
+            if hasher is not None:
+                hasher.shutdown(wait=False)
+        hash_s = sum(s for ds in digests for _, s in ds)
         # seconds: the whole receive; of it, wait: blocked on the broadcasts, load: vLLM's
-        # load_weights (its layerwise reload processes each layer as it completes), hash: checksums
+        # load_weights (its layerwise reload processes each layer as it completes); hash: checksums
+        # (on the side thread, overlapped), of which hash_tail came after the last load
         self.last_round = {"buckets": sum(len(p) for p in plans), "tensors": tensors, "bytes": received,
                            "seconds": time.perf_counter() - t0, "wait_seconds": wait_s,
-                           "load_seconds": load_s, "hash_seconds": hash_s, **self._reload_seconds,
-                           "senders": len(plans), "sender_buckets": [len(p) for p in plans],
+                           "load_seconds": load_s, "hash_seconds": hash_s, "hash_tail_seconds": hash_tail,
+                           **self._reload_seconds, "senders": len(plans),
+                           "sender_buckets": [len(p) for p in plans],
                            "checksums": [int(x) for v in vectors for x in v.tolist()]}
 
     def shutdown(self) -> None:
@@ -378,7 +395,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         exe = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="gloo-update")
         try:
             receiving = exe.submit(self.client.update_weights,
-                                   update_info(meta, senders if info.senders > 1 else None))
+                                   update_info(meta, info.verify, senders if info.senders > 1 else None))
 
             def check() -> None:  # a worker that failed is named at once, not after a timeout
                 if receiving.done():
@@ -410,7 +427,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         """Two alternating buffers: bucket k+1 is gathered and packed while bucket k is in flight."""
         info, report = self.info, RoundReport()
         in_flight: list[list] = [[], []]
-        hashes: list[torch.Tensor] = []
+        hashes: list[int] = []
         for k, items in enumerate(group_by_dtype(named, info.bucket_bytes)):
             slot = k % 2
             wait_works(in_flight[slot], time.monotonic() + info.timeout_s, check)
@@ -418,14 +435,15 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             in_flight[slot] = [broadcast(self.group, data)]
             if info.verify:  # hashed while the broadcast is in flight
                 h0 = time.perf_counter()
-                hashes.append(hash_tensor(data))
+                hashes.append(BUCKET_HASH(data))
                 report.hash_seconds += time.perf_counter() - h0
             report.buckets += 1
             report.tensors += len(items)
             report.bytes += data.numel()
             report.bucket_names.append([n for n, _ in items])
         wait_works(in_flight[0] + in_flight[1], time.monotonic() + info.timeout_s, check)
-        mine = torch.stack(hashes) if hashes else torch.zeros(report.buckets, dtype=torch.int64)
+        mine = (torch.tensor(hashes, dtype=torch.int64) if hashes
+                else torch.zeros(report.buckets, dtype=torch.int64))
         work, out = allgather(self.group, mine)
         wait_works([work], time.monotonic() + info.timeout_s, check)
         report.sent = [int(v) for v in mine.tolist()]
@@ -437,6 +455,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if group is not None:
             _abort(group)
         self._store = None
+
+
+def _timed_digest(data: torch.Tensor) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    return BUCKET_HASH(data), time.perf_counter() - t0
 
 
 def checked(source: WeightSource, meta: list[ParamMeta]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -42,4 +42,5 @@ def build(config, fleet, *, rank: int, plan, group=None):
     if not torch.cuda.is_available():
         raise SyncError("sync.transport='ipc' shares CUDA memory: it needs CUDA; on CPU use 'gloo'")
     return ServerWeightSync(config, fleet, rank=rank, plan=plan, group=group,
-                            transport=ServerTransport("ipc", _init_info, wrap=on_every_rank, placeholders=True))
+                            transport=ServerTransport("ipc", _init_info, wrap=on_every_rank, placeholders=True,
+                                                      revivable=False))
