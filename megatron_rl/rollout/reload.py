@@ -73,13 +73,18 @@ def refresh_cpu_moe_experts(model: torch.nn.Module, loaded: Iterable[str]) -> in
         return 0
     from vllm._custom_ops import cpu_prepack_moe_weight
 
+    # vLLM 0.32 keeps a layer's expert weights one module below the checkpoint's path: the model's
+    # ``mlp.experts`` is a MoERunner whose ``routed_experts`` child holds w13/w2 (the checkpoint
+    # names ``mlp.experts.<e>.gate_proj.weight``), so a layer answers to its parent's path too.
+    owners = dict((name, name) for name in layers)
+    owners.update((name.rsplit(".", 1)[0], name) for name in layers if name.endswith(".routed_experts"))
     touched = set()
     for name in loaded:
         parts = name.split(".")
         for i in range(len(parts) - 1, 0, -1):  # the checkpoint name's module path, innermost first
             prefix = ".".join(parts[:i])
-            if prefix in layers:
-                touched.add(prefix)
+            if prefix in owners:
+                touched.add(owners[prefix])
                 break
     for prefix in touched:
         layer, experts = layers[prefix]
