@@ -174,7 +174,8 @@ def run_owned_sync(out, hf_root):
 
 def run_checkpoint(out, hf_dir, ckpt_root):
     """Saved at EP=2 after a step, resumed at EP=1, saved there after another step and resumed
-    at EP=2 (TP=1, DP=4 throughout: the same micro-batches, so the same steps)."""
+    at EP=2, EP=4 and expert TP=2 x EP=2 (TP=1, DP=4 throughout: the same micro-batches, so the same
+    steps)."""
     batch = make_batch(LENGTHS, PROMPTS, seed=5)
     loss_fn = make_loss_fn(batch)
 
@@ -196,9 +197,14 @@ def run_checkpoint(out, hf_dir, ckpt_root):
     c.load_checkpoint(ckpt_root / "moe_ep1")
     c_loaded = _export(c)
     c_step3 = step(c)
+    resumed = {}  # the EP=1 checkpoint at the other expert layouts of 4 ranks
+    for name, layout in (("ep4", dict(ep=4)), ("etp2_ep2", dict(ep=2, etp=2))):
+        d = _policy(hf_dir, **layout)
+        d.load_checkpoint(ckpt_root / "moe_ep1")
+        resumed[name] = {"loaded": _export(d), "step3": step(d), "steps": d.steps}
     _save(out, "checkpoint", {"a_step1": a_step1, "a_step2": a_step2, "a_step3": a_step3,
                               "b_loaded": b_loaded, "b_step2": b_step2, "c_loaded": c_loaded,
-                              "c_step3": c_step3, "steps": (b.steps, c.steps)})
+                              "c_step3": c_step3, "steps": (b.steps, c.steps), "resumed": resumed})
 
 
 def run_bad_layouts(out, hf_root):

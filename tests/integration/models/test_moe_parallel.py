@@ -1,6 +1,6 @@
 """Mixture-of-Experts expert layouts under torchrun (4 ranks, gloo): EP 1 / 2 / 4, expert TP,
 TP x EP, PP x EP, CP x EP with the distributed optimizer, Qwen2-MoE's shared expert at TP x EP,
-HF round trips, checkpoints moving between EP 2 and EP 1.
+HF round trips, checkpoints moving between EP 2 and EP 1 (and from EP 1 to EP 4 and expert TP 2 x EP 2).
 
 One ``torchrun`` launch runs every case (moe_worker.py, with the dense workers: parallel_worker.py,
 the ``parallel_run`` fixture). Every layout against float64 transformers: log-probs and entropies
@@ -123,7 +123,7 @@ def test_moe_hf_round_trips_are_bit_exact(run):
             assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), (key, name)
 
 
-def test_moe_checkpoint_moves_between_ep2_and_ep1(run):
+def test_moe_checkpoint_reshards_across_expert_layouts(run):
     ck = run["load"]("checkpoint")
     same = lambda a, b: set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)  # noqa: E731
     assert same(ck["a_step1"], ck["b_loaded"])  # saved at EP=2, loaded at EP=1
@@ -133,6 +133,12 @@ def test_moe_checkpoint_moves_between_ep2_and_ep1(run):
     assert _max_diff(ck["a_step2"], ck["b_step2"]) < 1e-6
     assert _max_diff(ck["a_step3"], ck["c_step3"]) < 1e-6
     assert _max_diff(ck["a_step2"], ck["a_step1"]) > 5e-4
+    # the EP=1 checkpoint at EP=4 and at expert TP=2 x EP=2: the same weights, then the same step
+    # (expert TP splits each expert's GEMMs: sums in another order, so 2e-5 as the EP=1 twins)
+    for name, tol in (("ep4", 1e-6), ("etp2_ep2", 2e-5)):
+        got = ck["resumed"][name]
+        assert same(ck["c_loaded"], got["loaded"]), name
+        assert got["steps"] == 3 and _max_diff(ck["a_step3"], got["step3"]) < tol, name
 
 
 def test_moe_impossible_layouts_fail_before_a_model_is_built(run):
