@@ -1,7 +1,9 @@
 """The Megatron-Core policy: log-probs and entropy of responses, one optimizer step, HF export.
 
 Built from a Hugging Face checkpoint into any TP x PP (x VPP) x CP x DP layout (:meth:`from_hf`),
-on the Transformer Engine or the local layer spec (``policy.layer_spec``).
+a Mixture-of-Experts model's experts also over EP x expert TP, on the Transformer Engine or the
+local layer spec (``policy.layer_spec``). A MoE policy's objective also holds the load-balancing
+and z-losses, and :meth:`train_step` returns the routing metrics (:mod:`~megatron_rl.models.moe_signals`).
 :meth:`compute_logprobs` is :class:`~megatron_rl.models.forward.PolicyForward`'s; :meth:`train_step`
 shards and packs the batch the same way and runs it through the same pipeline schedule with the
 backward pass, then one optimizer step.
@@ -36,8 +38,9 @@ from megatron_rl.models.batch import MicroBatch, PerSequence, SequenceBatch, pad
 from megatron_rl.models.config import PolicyConfig
 from megatron_rl.models.forward import PolicyForward, build_from_hf, params_dtype
 from megatron_rl.models.hf_config import HFArch
-from megatron_rl.models.hf_export import export_hf_metadata, export_hf_weights
+from megatron_rl.models.hf_export import ExportItem, export_hf_weights, export_owned, export_plan
 from megatron_rl.models.micro_batches import plan_micro_batches
+from megatron_rl.models.moe_signals import MoESignals
 from megatron_rl.models.optimizer import wrap_for_training
 from megatron_rl.models.parallel import ParallelGroups
 
@@ -53,6 +56,9 @@ class MegatronPolicy(PolicyForward):
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.steps = 0
+        # Mixture-of-Experts: the load-balancing / z-losses and the routing metrics of each step
+        self.moe = (MoESignals([m.module for m in model], arch.moe, arch.num_layers, cfg.moe, groups)
+                    if arch.moe is not None else None)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -74,6 +80,8 @@ class MegatronPolicy(PolicyForward):
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.moe is not None:
+            self.moe.begin_step(len(micro), micro[0].dummy)
 
         def loss_step(mb, chunk, hidden):
             logp, ent = self._token_stats(mb, hidden, chunk, temperature, with_entropy)
@@ -102,6 +110,7 @@ class MegatronPolicy(PolicyForward):
             return loss + keep, torch.tensor(int(mb.mask.sum()), dtype=torch.int), metrics
 
         stored = self._run(micro, loss_step, forward_only=False)
+        moe_metrics = self.moe.end_step() if self.moe is not None else {}
         self.scheduler.step(increment=1)  # this step's learning rate (warm-up starts above 0)
         lr = self.lr
         with megatron_cpu_scope():
@@ -114,6 +123,7 @@ class MegatronPolicy(PolicyForward):
         else:
             gathered = [mine]
         metrics = reduce_metrics(d for part in gathered for d in part)
+        metrics.update(moe_metrics)
         if per_sequence is not None:
             per_sequence.gather(_all_reduce_cpu(g) if g.world_size > 1 else None)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
@@ -145,10 +155,20 @@ class MegatronPolicy(PolicyForward):
         return export_hf_weights(self.arch, [m.module for m in self.model], self.groups,
                                  scheme=self.layer_spec)
 
-    def export_hf_metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        """``(HF name, dtype, shape)`` of what :meth:`export_hf_weights` yields, in order (local)."""
-        return export_hf_metadata(self.arch, [m.module for m in self.model], self.groups,
-                                  scheme=self.layer_spec)
+    def export_plan(self, to_rank: int | None = None) -> list[ExportItem]:
+        """Every HF tensor the policy exports, in order, with the global rank that sends it (local:
+        no communication). ``to_rank=None``: each pipeline stage's TP-rank-0 of replica 0 sends its
+        own tensors; ``to_rank=r``: rank ``r`` sends them all (:func:`~megatron_rl.models.hf_export.export_plan`)."""
+        dtype = next(self.model[0].module.parameters()).dtype
+        return export_plan(self.arch, self.groups, dtype, scheme=self.layer_spec, to_rank=to_rank)
+
+    def export_owned(self, plan: list[ExportItem], placeholders: bool = False
+                     ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """``(HF name, full tensor)`` of exactly the items of ``plan`` this rank sends, in plan
+        order (with ``placeholders``: ``(HF name, None)`` for the others), collective: every rank
+        iterates to the end; the weight sync's stream."""
+        return export_owned(self.arch, [m.module for m in self.model], self.groups, plan,
+                            scheme=self.layer_spec, placeholders=placeholders)
 
     def export_hf_grads(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         """Like :meth:`export_hf_weights` for the gradients of the last :meth:`train_step`
