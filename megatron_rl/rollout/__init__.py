@@ -10,36 +10,42 @@ from megatron_rl.rollout.config import RolloutConfig
 
 
 def make_engine(model_path: str, cfg: RolloutConfig, *, seed: int = 0, max_model_len: int | None = None,
-                registry_dir: str | None = None, names: list[str] | None = None) -> RolloutEngine:
+                registry_dir: str | None = None, names: list[str] | None = None,
+                return_routes: bool = False) -> RolloutEngine:
     """The engine ``cfg.engine`` names: the in-process engine, or the fleet of vLLM servers
-    (found in ``registry_dir`` when launched, or at ``cfg.server_urls``)."""
+    (found in ``registry_dir`` when launched, or at ``cfg.server_urls``). ``return_routes``: every
+    completion carries its MoE routes (``Completion.routes``, :mod:`megatron_rl.rollout.routes`)."""
     if cfg.engine == "vllm" and cfg.async_.needs_streaming:
         from megatron_rl.rollout.streaming import StreamingVLLMEngine
 
-        return StreamingVLLMEngine(model_path, cfg, seed=seed, max_model_len=max_model_len)
+        return StreamingVLLMEngine(model_path, cfg, seed=seed, max_model_len=max_model_len,
+                                   return_routes=return_routes)
     if cfg.engine == "vllm":
         from megatron_rl.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, cfg, seed=seed, max_model_len=max_model_len)
+        return VLLMEngine(model_path, cfg, seed=seed, max_model_len=max_model_len, return_routes=return_routes)
     if cfg.engine == "vllm_server":
-        return connect_fleet(cfg, registry_dir=registry_dir, names=names, max_model_len=max_model_len)
+        return connect_fleet(cfg, registry_dir=registry_dir, names=names, max_model_len=max_model_len,
+                             return_routes=return_routes)
     raise ValueError(f"rollout.engine: unknown engine {cfg.engine!r}")
 
 
 def connect_fleet(cfg: RolloutConfig, *, registry_dir: str | None = None, names: list[str] | None = None,
-                  max_model_len: int | None = None):
+                  max_model_len: int | None = None, return_routes: bool = False):
     """Wait (up to ``rollout.start_timeout_s``) for the servers, then drive them as one fleet.
 
     ``external``: the servers at ``cfg.server_urls``; otherwise the ``cfg.num_engines`` engines the
     node launchers registered in ``registry_dir`` (exactly ``names`` when given). A server whose
-    max model length is below ``max_model_len`` (the run's longest prompt + response) is refused."""
+    max model length is below ``max_model_len`` (the run's longest prompt + response) is refused;
+    with ``return_routes`` so is one that cannot return MoE routes."""
     from megatron_rl.rollout.fleet import EngineFleet
     from megatron_rl.rollout.registry import EngineRegistry
     from megatron_rl.rollout.server import VLLMServer, server_healthy
 
     locate = None
     if cfg.placement == "external":
-        servers = [VLLMServer(url, cfg, name=f"engine{i}") for i, url in enumerate(cfg.server_urls)]
+        servers = [VLLMServer(url, cfg, name=f"engine{i}", return_routes=return_routes)
+                   for i, url in enumerate(cfg.server_urls)]
         deadline = time.monotonic() + cfg.start_timeout_s
         while True:
             missing = [s for s in servers if not s.health(timeout=5.0)]
@@ -55,7 +61,8 @@ def connect_fleet(cfg: RolloutConfig, *, registry_dir: str | None = None, names:
 
         registry = EngineRegistry(registry_dir)
         records = registry.wait(cfg.num_engines, names, cfg.start_timeout_s, ready=lambda rec: server_healthy(rec.url))
-        servers = [VLLMServer(r.url, cfg, name=r.name, workers=r.workers) for r in records]
+        servers = [VLLMServer(r.url, cfg, name=r.name, workers=r.workers, return_routes=return_routes)
+                   for r in records]
 
         def locate(name: str) -> str | None:
             rec = registry.records().get(name)

@@ -267,8 +267,7 @@ class RolloutScheduler:
                 g.dispatch_version = version
                 redraw.setdefault(g.wave, []).append(g)
             else:
-                g.completions = [Completion(**{**c, "version_spans": [tuple(x) for x in c["version_spans"]]})
-                                 for c in d["completions"]]
+                g.completions = [_completion_from_dict(c) for c in d["completions"]]
                 self.done.append(g)
         for wave, gs in sorted(redraw.items()):
             self._submit(wave, global_step + (wave - step), gs)
@@ -419,4 +418,12 @@ def _completion_dict(c: Completion) -> dict:
     return {"token_ids": list(c.token_ids), "logprobs": list(c.logprobs), "text": c.text,
             "finish_reason": c.finish_reason, "truncated": bool(c.truncated),
             "weight_version": int(c.weight_version), "version_spans": [list(s) for s in c.version_spans],
-            "extra": dict(c.extra)}
+            "extra": dict(c.extra),
+            # MoE routing replay: the engine's routes (a tensor: the state is loaded weights-only)
+            "routes": None if c.routes is None else torch.from_numpy(c.routes)}
+
+
+def _completion_from_dict(d: dict) -> Completion:
+    routes = d.get("routes")
+    return Completion(**{**d, "version_spans": [tuple(x) for x in d["version_spans"]],
+                         "routes": None if routes is None else routes.numpy()})

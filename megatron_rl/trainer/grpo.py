@@ -21,6 +21,7 @@ from megatron_rl.trainer.config import StageConfig
 from megatron_rl.trainer.context import Context
 from megatron_rl.trainer.evaluate import evaluate, record_eval, sync_weights
 from megatron_rl.trainer.no_update import NoUpdateStop, NoUpdateWatch, no_update_reason
+from megatron_rl.trainer.routing_replay import StepRouting, logp_gap
 from megatron_rl.trainer.state import RunDir, TrainerState
 
 if TYPE_CHECKING:
@@ -168,15 +169,19 @@ def add_logprobs(policy: MegatronPolicy, reference: ReferencePolicy | None, batc
     ``algo.kl.as_reward``, the advantages recomputed from the KL-shaped rewards. ``version`` is the
     trainer's weight version (tokens sampled by older ones are stale). Collective."""
     metrics: dict = {}
+    routing = StepRouting(a)  # MoE routing replay: the routes each pass replays (or records)
+    routes = None
     if needs_old_logprobs(a, batch, version):
-        logp, _ = policy.compute_logprobs(batch, temperature, with_entropy=False)
+        routes = routing.old_pass(batch)
+        logp, _ = policy.compute_logprobs(batch, temperature, with_entropy=False, routes=routes)
         batch.token_fields["old_logp"] = logp
-        gap = [(lp - rl).abs().mean().item() for lp, rl in zip(logp, batch.token_fields["rollout_logp"])]
-        metrics["rollout/train_infer_logp_gap"] = sum(gap) / max(1, len(gap))
+        metrics["rollout/train_infer_logp_gap"] = logp_gap(logp, batch.token_fields["rollout_logp"])
         versions = batch.token_fields.get("weight_version")
         if versions is not None and any(bool((v != version).any()) for v in versions):
             metrics.update(logp_gap_by_staleness(logp, batch.token_fields["rollout_logp"], versions,
                                                  version))
+        metrics.update(routing.after_old_pass(batch, routes, logp))
+    metrics.update(routing.diagnose(policy, batch, temperature, measured="moe/router_agreement" in metrics))
     if a.kl.enabled:
         if reference is None:
             raise RuntimeError("algo.kl.enabled needs the reference policy "
@@ -203,6 +208,7 @@ def update_policy(policy: MegatronPolicy, batch: SequenceBatch, a: AlgoConfig, t
     nothing has changed the policy yet. Also returns per-sample values of the first pass's forwards
     (:data:`phases.SAMPLE_STATS`, ``[B]`` each, batch order) for the dumps."""
     with_entropy = True  # entropy is always measured (metrics, entropy control); its grad only if used
+    routing = StepRouting(a)
     schedule = phases.optimizer_steps(batch, a, seed)
     first_pass = len(schedule) // a.n_sgd
     per_sample = {k: torch.full((len(batch),), float("nan")) for k in phases.SAMPLE_STATS}
@@ -211,7 +217,7 @@ def update_policy(policy: MegatronPolicy, batch: SequenceBatch, a: AlgoConfig, t
         loss_fn = phases.make_loss_fn(mb, a, alpha=alpha, max_response_len=max_response_len)
         ps = PerSequence(phases.sample_stats, phases.SAMPLE_STATS, len(mb)) if k < first_pass else None
         steps.append(policy.train_step(mb, loss_fn, temperature=temperature, with_entropy=with_entropy,
-                                       per_sequence=ps))
+                                       per_sequence=ps, routes=routing.update_pass(mb)))
         if ps is not None:
             for name in phases.SAMPLE_STATS:
                 per_sample[name][index] = ps.values[name]
