@@ -228,6 +228,53 @@ def step_time(data: RunData) -> go.Figure:
     return fig
 
 
+def moe_layers(data: RunData) -> list[int]:
+    """The MoE layers with load metrics (``moe/load_max/layer_<i>``), in order."""
+    prefix = "moe/load_max/layer_"
+    return sorted(int(k[len(prefix):]) for k in data.metrics.columns if k.startswith(prefix))
+
+
+# Layers drawn one by one; deeper models are drawn as their extremes and mean over the layers.
+MAX_LAYER_LINES = 8
+
+
+def expert_load(data: RunData) -> go.Figure:
+    """Mixture-of-Experts routing per step: the most and least loaded expert's share of each layer's
+    (token, expert) assignments, and the load-balancing / z-losses."""
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.65, 0.35],
+                        subplot_titles=("expert load: share of the layer's token assignments",
+                                        "router losses (per layer, mean over micro-batches)"))
+    fig.update_layout(**dict(LAYOUT, height=640))
+    layers = moe_layers(data)
+    if not layers:
+        return _note(fig, "no expert load metrics in metrics.jsonl (a dense model)")
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+    if len(layers) <= MAX_LAYER_LINES:
+        for n, i in enumerate(layers):
+            for kind, dash in (("max", "solid"), ("min", "dot")):
+                x, y = data.series(f"moe/load_{kind}/layer_{i}")
+                fig.add_trace(go.Scatter(x=x, y=y, name=f"layer {i} {kind}", legendgroup=f"layer {i}",
+                                         line=dict(color=colors[n % len(colors)], dash=dash)), row=1, col=1)
+    else:
+        m = data.metrics
+        top = m[[f"moe/load_max/layer_{i}" for i in layers]]
+        low = m[[f"moe/load_min/layer_{i}" for i in layers]]
+        x = m["grpo_step"].tolist()
+        for name, y, color, dash in (("most loaded expert, worst layer", top.max(axis=1), NEG, "solid"),
+                                     ("most loaded expert, mean over layers", top.mean(axis=1), NEG, "dash"),
+                                     ("least loaded expert, mean over layers", low.mean(axis=1), POS, "dash"),
+                                     ("least loaded expert, worst layer", low.min(axis=1), POS, "solid")):
+            fig.add_trace(go.Scatter(x=x, y=y.tolist(), name=name, line=dict(color=color, dash=dash)),
+                          row=1, col=1)
+    for key, name, color in (("moe/aux_loss", "load-balancing loss (1 = even)", "#7f7f7f"),
+                             ("moe/z_loss", "z-loss", "#bcbd22")):
+        x, y = data.series(key)
+        if x:
+            fig.add_trace(go.Scatter(x=x, y=y, name=name, line=dict(color=color)), row=2, col=1)
+    fig.update_yaxes(rangemode="tozero", row=1, col=1)
+    _stages(fig, data, rows=2)
+    _xaxis(fig, rows=2)
+    return fig
 def routing(data: RunData) -> go.Figure:
     """MoE routing replay: how often the trainer's routers agree with the engine's, and the
     train-inference log-prob gap with and without replaying the engine's routes."""
@@ -274,6 +321,10 @@ FIGURES = [
      "Per sample, the mean absolute difference between the trainer's and the engine's log-prob of the "
      "sampled tokens (before the update).", logp_gap),
     ("step_time", "Step-time breakdown", "Wall-clock split of each GRPO step.", step_time),
+    ("expert_load", "Expert load (Mixture of Experts)",
+     "Per MoE layer and training step, the share of the layer's (token, expert) assignments that went "
+     "to its most loaded (solid) and least loaded (dotted) expert: 1 / number of experts when even. "
+     "Below, the load-balancing loss (1 when even) and the z-loss the objective holds.", expert_load),
     ("routing", "MoE routing: trainer vs engine",
      "Routing replay (algo.routing_replay, algo.router_agreement): the share of (token, layer) top-k expert "
      "sets the trainer's own routers choose as the rollout engine did, and the train-inference log-prob gap "

@@ -18,7 +18,7 @@ from pathlib import Path
 import plotly
 import plotly.io as pio
 
-from megatron_rl.analysis.figures import FIGURES
+from megatron_rl.analysis.figures import FIGURES, moe_layers
 from megatron_rl.analysis.run_data import RunData, dump_overhead, load_run, wrong_label_scores
 
 PLOTLY_JS = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
@@ -79,6 +79,14 @@ def summary_rows(data: RunData, facts: dict) -> list[tuple[str, str]]:
         gap = data.rollouts["logp_gap_mean"].dropna()
         if len(gap):
             rows.append(("train-inference log-prob gap", f"median {gap.median():.2e}, max {gap.max():.2e} per sample"))
+    layers = moe_layers(data)
+    if layers:
+        last = m.iloc[-1]
+        top = max(layers, key=lambda i: last[f"moe/load_max/layer_{i}"])
+        rows.append(("expert load, last step", f"most loaded expert {_pct(last[f'moe/load_max/layer_{top}'])} "
+                     f"of its layer's assignments (layer {top}); least loaded "
+                     f"{_pct(min(last[f'moe/load_min/layer_{i}'] for i in layers))}; load-balancing loss "
+                     f"{_first_last(data, 'moe/aux_loss')} (first → last)"))
     wl = data.wrong_labels
     if wl is not None:
         rows.append(("suspected wrong labels (live)",

@@ -17,7 +17,17 @@ checkpointing) run on the CPU and give the single-rank numbers exactly.
   on the CPU;
 * Megatron's per-step context-parallel helpers that make a pinned index tensor and move it with
   ``.cuda()`` (``get_pos_emb_on_this_cp_rank``: this CP rank's rotary angles) run inside
-  :func:`megatron_cpu_scope`, which also drops ``pin_memory`` (there is no pinned allocator).
+  :func:`megatron_cpu_scope`, which also drops ``pin_memory`` (there is no pinned allocator);
+* Mixture-of-Experts, the alltoall token dispatcher (``moe/token_dispatcher.py``): its module sees a
+  ``torch.cuda`` whose ``Stream`` / ``current_stream`` / ``stream`` are no-op stand-ins (it copies
+  the routing counts to the host on a side CUDA stream; on the CPU they are there already), and its
+  ``maybe_move_tensor_to_cpu`` turns the all-to-all split sizes into numpy arrays for CPU tensors
+  too (Megatron's converts only CUDA tensors, and gloo's ``all_to_all_single`` refuses tensor split
+  sizes: a TypeError at expert parallelism > 1);
+* Mixture-of-Experts with expert tensor parallelism > 1: the dispatcher gathers each expert-TP
+  rank's tokens (``tensor_parallel.mappings._gather_along_first_dim`` with uneven split sizes), and
+  gloo's ``all_gather`` needs equal sizes: uneven shares are padded to the largest, all-gathered and
+  cut back (equal sizes go Megatron's way).
 
 :func:`megatron_cpu_scope` (a context manager, for the one-off and optimizer calls): a
 :class:`~torch.overrides.TorchFunctionMode` redirects every tensor created or moved to ``"cuda"`` /
@@ -37,6 +47,7 @@ import contextlib
 import threading
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 _LOCK = threading.Lock()
@@ -197,6 +208,97 @@ def _patch_megatron_scoped() -> None:
         setattr(module, name, scoped)
 
 
+class _NoStream:
+    """A CUDA stream / event stand-in: on the CPU every copy is synchronous, so waiting is a no-op."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self, event=None) -> _NoStream:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, *args, **kwargs) -> None:
+        pass
+
+
+class _CpuStreamsCuda:
+    """``torch.cuda`` with no-op streams (``Stream``, ``current_stream``, ``stream``); every other
+    attribute is torch.cuda's own."""
+
+    _DEFAULT = _NoStream()
+
+    Stream = _NoStream
+
+    @staticmethod
+    def current_stream(device=None) -> _NoStream:
+        return _CpuStreamsCuda._DEFAULT
+
+    @staticmethod
+    def stream(stream=None):
+        return contextlib.nullcontext()
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _CpuStreamsTorch:
+    """``torch`` for the MoE token dispatcher: its ``cuda`` has no-op streams (see above)."""
+
+    cuda = _CpuStreamsCuda()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _host_splits(original):
+    """Megatron's ``maybe_move_tensor_to_cpu``, also giving numpy for CPU tensors when asked."""
+
+    def move(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    move._megatron_rl_host_splits = True
+    return move
+
+
+def _uneven_gather(original):
+    """``_gather_along_first_dim`` whose uneven split sizes go through an equal-size all_gather."""
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        longest = max(sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+    gather._megatron_rl_uneven = True
+    return gather
+
+
+def _patch_megatron_moe() -> None:
+    try:
+        from megatron.core.transformer.moe import token_dispatcher
+    except ImportError:  # megatron-core absent
+        return
+    token_dispatcher.torch = _CpuStreamsTorch()
+    move = token_dispatcher.maybe_move_tensor_to_cpu
+    if not getattr(move, "_megatron_rl_host_splits", False):
+        token_dispatcher.maybe_move_tensor_to_cpu = _host_splits(move)
+    from megatron.core.tensor_parallel import mappings
+
+    if not getattr(mappings._gather_along_first_dim, "_megatron_rl_uneven", False):
+        mappings._gather_along_first_dim = _uneven_gather(mappings._gather_along_first_dim)
+
+
+
 def cpu_shim_active() -> bool:
     """Whether :func:`apply_cpu_shim` has patched this process."""
     return bool(_STATE["applied"])
@@ -215,6 +317,7 @@ def apply_cpu_shim() -> bool:
             _patch_megatron_rng()
             _patch_megatron_factories()
             _patch_megatron_scoped()
+            _patch_megatron_moe()
             _STATE["applied"] = True
     return True
 

@@ -25,6 +25,19 @@ holds on a GPU box without TE):
 
 The first two are no-ops where Megatron uses TE's / Apex's fused Adam; the last two apply to all
 (the last one only matters for torch Adam, whose state carries the step).
+
+Two more, for Mixture-of-Experts:
+
+* without Transformer Engine, ``moe_utils.RouterGatingLinearFunction`` (the router's linear, every
+  MoE forward and backward) tests ``te_general_gemm is not None``, a name ``moe_utils`` binds only
+  when TE imports: a NameError on every router call. :func:`apply_megatron_fixes` binds it to None,
+  which selects Megatron's own torch.mm path;
+* the alltoall token dispatcher keeps the router's output ``probs`` on itself after the forward
+  (``self.probs``, read once more for its dtype in ``combine_preprocess``). After a training step
+  that tensor's autograd graph reaches the parameters' gradient accumulators, whose hooks (Megatron
+  DDP's) hold the model: a cycle through C++ the garbage collector cannot see, so a trained MoE
+  policy was never freed (with its process groups' threads: +48 per layout in a test launch).
+  :func:`apply_megatron_fixes` drops the reference once ``combine_preprocess`` has read it.
 """
 
 from __future__ import annotations
@@ -45,6 +58,8 @@ def apply_megatron_fixes() -> None:
     if _STATE["applied"]:
         return
     _STATE["applied"] = True
+    _bind_missing_te_gemm()
+    _release_dispatcher_probs()
     try:
         from megatron.core.optimizer import distrib_optimizer as do
         from megatron.core.optimizer import optimizer as mo
@@ -74,6 +89,31 @@ def apply_megatron_fixes() -> None:
 
     do.DistributedOptimizer._set_main_param_and_optimizer_states = set_states
     do.DistributedOptimizer.load_state_dict = load_state_dict
+
+
+def _bind_missing_te_gemm() -> None:
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:
+        return
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _release_dispatcher_probs() -> None:
+    try:
+        from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    except ImportError:
+        return
+    original = MoEAlltoAllTokenDispatcher.combine_preprocess
+
+    def combine_preprocess(self, hidden_states):
+        try:
+            return original(self, hidden_states)
+        finally:
+            self.probs = None  # its last reader: the graph must not outlive the step
+
+    MoEAlltoAllTokenDispatcher.combine_preprocess = combine_preprocess
 
 
 def _restoring_step_zero(original, key: str | None):

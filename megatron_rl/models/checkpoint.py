@@ -1,7 +1,7 @@
 """The policy's resumable checkpoints: Megatron distributed checkpointing of model, optimizer,
 LR schedule and step count, plus each rank's RNG states.
 
-Loadable at another TP x PP x CP x DP layout (context parallelism does not change what is stored;
+Loadable at another TP x PP x CP x DP (x EP x expert TP) layout (context parallelism does not change what is stored;
 the local spec stores its norms under the Transformer Engine names) with the same
 ``use_distributed_optimizer`` (the two optimizers store their state differently). Both restore
 exactly: the step after a load equals the uninterrupted run's, also for a checkpoint written before
@@ -48,7 +48,7 @@ def _sharded_state_dict(policy: Checkpointable, is_loading: bool) -> dict:
 
 def _layout(policy: Checkpointable) -> tuple[int, ...]:
     g = policy.groups
-    return (g.world_size, g.tp, g.pp, g.vpp, g.cp)
+    return (g.world_size, g.tp, g.pp, g.vpp, g.cp, g.ep, g.etp)
 
 
 def save_checkpoint(policy: Checkpointable, ckpt_dir: str | Path) -> None:

@@ -10,7 +10,11 @@ from megatron_rl.config.base import ConfigBase, ranged
 
 @dataclasses.dataclass(kw_only=True)
 class ParallelConfig(ConfigBase):
-    """How the policy is split over the trainer's ranks; data parallel = world size / (TP x PP x CP)."""
+    """How the policy is split over the trainer's ranks; data parallel = world size / (TP x PP x CP).
+
+    Mixture-of-Experts models split their experts on a second grid over the same ranks (Megatron's):
+    world size = expert_tensor_parallel x expert_parallel x PP x expert data parallel.
+    """
 
     # Tensor-parallel size: attention heads, MLP and vocabulary split across this many ranks.
     tensor_parallel: int = ranged(1, ge=1)
@@ -30,6 +34,15 @@ class ParallelConfig(ConfigBase):
     # a2a (heads all-to-all; needs the attention heads per TP rank divisible by CP). The CPU path
     # always all-gathers; the result is the same.
     cp_comm_type: Literal["p2p", "all_gather", "a2a"] = "p2p"
+    # Mixture-of-Experts models only: expert-parallel size, the routed experts of every MoE layer
+    # split into this many groups, one per rank of an expert-parallel group (tokens travel to their
+    # experts' ranks by all-to-all). Must divide the number of experts; expert_parallel x
+    # expert_tensor_parallel x pipeline_parallel must divide the world size.
+    expert_parallel: int = ranged(1, ge=1)
+    # Mixture-of-Experts models only: tensor-parallel size inside each routed expert (its SwiGLU
+    # split like a dense MLP's); null: tensor_parallel (Megatron's default). Must divide
+    # moe_intermediate_size.
+    expert_tensor_parallel: int | None = ranged(None, ge=1)
     # Shard the optimizer state over the data-parallel ranks (Megatron's distributed optimizer).
     use_distributed_optimizer: bool = False
     # Seconds any collective may wait before the run fails with a timeout instead of hanging.
@@ -43,6 +56,11 @@ class ParallelConfig(ConfigBase):
         if self.sequence_parallel and self.tensor_parallel < 2:
             self.fail("sequence_parallel", f"needs tensor_parallel > 1, got tensor_parallel="
                       f"{self.tensor_parallel}")
+
+    @property
+    def etp(self) -> int:
+        """Tensor-parallel size inside each routed expert (expert_tensor_parallel, else TP)."""
+        return self.expert_tensor_parallel or self.tensor_parallel
 
     @property
     def model_parallel(self) -> int:
@@ -146,6 +164,24 @@ class ReferenceConfig(ConfigBase):
 
 
 @dataclasses.dataclass(kw_only=True)
+class MoEConfig(ConfigBase):
+    """Mixture-of-Experts training signals (refused for dense models when set). Both losses are
+    Megatron's router losses, added to the policy objective; their values are logged as
+    ``moe/aux_loss`` and ``moe/z_loss`` (README, metrics)."""
+
+    # Coefficient of the load-balancing (auxiliary) loss in the objective: coef x the sum over the
+    # MoE layers of the mean over the step's micro-batches of Megatron's switch-transformer loss
+    # E / (k T^2) sum_e f_e P_e (T tokens, f_e top-k assignments to expert e, P_e its router
+    # probability mass; 1 when the load is even; padding excluded); null: the model's
+    # router_aux_loss_coef (config.json); 0 turns it off.
+    aux_loss_coef: float | None = ranged(None, ge=0.0)
+    # Coefficient of the router z-loss in the objective, summed and averaged as aux_loss_coef's:
+    # the mean over a micro-batch's tokens of logsumexp(router logits)^2 (keeps the logits small);
+    # 0: off.
+    z_loss_coef: float = ranged(0.0, ge=0.0)
+
+
+@dataclasses.dataclass(kw_only=True)
 class PolicyConfig(ConfigBase):
     """The Megatron-Core policy: layout, optimizer, micro-batching, precision, seed."""
 
@@ -172,3 +208,5 @@ class PolicyConfig(ConfigBase):
     seed: int = ranged(1234, ge=0)
     # The reference policy (used only when algo.kl.enabled).
     reference: ReferenceConfig = dataclasses.field(default_factory=ReferenceConfig)
+    # Mixture-of-Experts models: load-balancing and z-loss coefficients.
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)

@@ -26,6 +26,7 @@ from megatron_rl.models.hf_config import HFArch, read_hf_config
 from megatron_rl.models.hf_load import load_hf_weights
 from megatron_rl.models.layers import resolve_layer_spec
 from megatron_rl.models.micro_batches import MicroInputs, plan_micro_batches
+from megatron_rl.models.moe_signals import padding_mask as moe_padding_mask
 from megatron_rl.models.parallel import ParallelGroups, check_layout
 from megatron_rl.models.routing_replay import Routes, RoutingReplay
 
@@ -49,15 +50,20 @@ def build_from_hf(hf_dir: str, cfg: PolicyConfig, groups: ParallelGroups) -> tup
     cfg.validate()
     groups.check_current()
     par = cfg.parallel
-    got = (groups.tp, groups.pp, groups.vpp, groups.sequence_parallel, groups.cp)
+    got = (groups.tp, groups.pp, groups.vpp, groups.sequence_parallel, groups.cp, groups.ep,
+           groups.etp)
     want = (par.tensor_parallel, par.pipeline_parallel, par.vpp, par.sequence_parallel,
-            par.context_parallel)
+            par.context_parallel, par.expert_parallel, par.etp)
     if got != want:
-        raise ValueError(f"policy.parallel asks for (TP, PP, VPP, SP, CP) = {want} but the "
-                         f"process groups were initialised for {got}: pass the same "
+        raise ValueError(f"policy.parallel asks for (TP, PP, VPP, SP, CP, EP, ETP) = {want} but "
+                         f"the process groups were initialised for {got}: pass the same "
                          f"ParallelConfig to init_distributed")
     arch = read_hf_config(hf_dir)
     check_layout(par, groups.world_size, arch.shape)  # before building anything
+    if arch.moe is None:
+        for key in ("aux_loss_coef", "z_loss_coef"):
+            if getattr(cfg.moe, key) not in (None, 0.0):
+                cfg.moe.fail(key, f"is set but {hf_dir} is a dense model (no experts)")
     spec = check_spec(cfg, groups)
     with megatron_cpu_scope():  # construction allocates on "cuda" (no-op with CUDA)
         chunks = build_chunks(arch, cfg, groups, spec)
@@ -147,9 +153,12 @@ class PolicyForward:
 
         def forward_step(data_iterator, chunk):
             mb = next(data_iterator)
+            kwargs = {}
+            if self.arch.is_moe:  # padding stays out of the routers' losses and statistics
+                kwargs["padding_mask"] = moe_padding_mask(mb, bare(chunk), g)
             if replay is not None:
                 replay.before_forward(bare(chunk), mb)
-            hidden = chunk(mb.input_ids, mb.position_ids, None)
+            hidden = chunk(mb.input_ids, mb.position_ids, None, **kwargs)
             if replay is not None:
                 replay.after_forward(bare(chunk), mb)
             return hidden, partial(step_fn, mb, chunk)

@@ -1,7 +1,8 @@
 """This rank's Megatron-Core ``GPTModel`` chunk(s) for an HF architecture.
 
 :func:`build_model_chunks` uses the Transformer Engine or the local layer spec (``layers.py``;
-RMSNorm, SwiGLU, RoPE with the HF theta, GQA, qkv bias, q/k norm, tied or untied embeddings) and a
+RMSNorm, SwiGLU, RoPE with the HF theta, GQA, qkv bias, q/k norm, tied or untied embeddings, MoE
+layers with this rank's experts: ``moe_arch.megatron_moe_kwargs``) and a
 last stage that returns hidden states: log-probs come from them and :func:`output_weight` without
 forming the logits.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.models.hf_config import HFArch
+from megatron_rl.models.moe_arch import megatron_moe_kwargs
 from megatron_rl.models.parallel import ParallelGroups, chunk_ends
 
 
@@ -28,8 +30,14 @@ def transformer_config(arch: HFArch, groups: ParallelGroups, params_dtype: torch
     cp_kwargs = {"context_parallel_size": groups.cp}
     if groups.cp > 1 and layer_spec == "te":
         cp_kwargs["cp_comm_type"] = cp_comm_type
+    # (a dense model still names a dispatcher: the default refuses variable sequence lengths)
+    moe_kwargs = {"moe_token_dispatcher_type": "alltoall"}
+    if arch.moe is not None:
+        moe_kwargs = megatron_moe_kwargs(arch.moe, ep=groups.ep, etp=groups.etp,
+                                         grouped_gemm=layer_spec == "te")
     return TransformerConfig(
         **cp_kwargs,
+        **moe_kwargs,
         **(recompute or {}),
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -66,7 +74,6 @@ def transformer_config(arch: HFArch, groups: ParallelGroups, params_dtype: torch
         # Micro-batches have different lengths and sizes (token-budget packing); the interleaved
         # schedule gets one padded shape per step instead (see MegatronPolicy._micro_batches).
         variable_seq_lengths=groups.vpp == 1,
-        moe_token_dispatcher_type="alltoall",  # (dense model; the default refuses variable lengths)
         # batch_p2p_comm with the interleaved schedule corrupts gradients on gloo (measured on
         # megatron-core 0.16.1: the interleaved PP tests fail with it).
         batch_p2p_comm=groups.vpp == 1 or groups.backend != "gloo",
@@ -120,7 +127,24 @@ def build_model_chunks(arch: HFArch, groups: ParallelGroups, params_dtype: torch
             rotary_base=arch.rope_theta,
             vp_stage=vp_stage,
         ))
+    if arch.moe is not None:
+        _experts_always_expert_parallel(chunks)
     return chunks
+
+
+def _experts_always_expert_parallel(chunks: list) -> None:
+    """Mark every routed expert's parameters expert-parallel (``allreduce = False``) also at EP = 1.
+
+    Megatron marks them only when EP > 1; the optimizer then puts them in a second, chained optimizer
+    (its gradients reduced over the expert-data-parallel group, which at EP = 1 is data x context
+    parallel: the same sum) and its checkpoint keys carry the chain (``chained_1.``...). Marked
+    always, the optimizer and its checkpoints have one structure at every EP size: a checkpoint
+    saved at EP = 2 loads at EP = 1 and back.
+    """
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            for param in layer.mlp.experts.parameters():
+                param.allreduce = False
 
 
 def output_weight(chunk) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""A Hugging Face ``config.json`` read into the architecture we build (Llama, Qwen2, Qwen3).
+"""A Hugging Face ``config.json`` read into the architecture we build (Llama, Qwen2, Qwen3, and the
+Mixture-of-Experts Qwen3-MoE and Qwen2-MoE: their MoE fields in :mod:`megatron_rl.models.moe_arch`).
 
 :func:`read_hf_config` refuses what we cannot map: rope scaling, sliding windows, biases Megatron's
-local layers lack, non-SiLU MLPs. Megatron-Bridge needs Python >= 3.12, so on Python 3.11 the
+local layers lack, non-SiLU MLPs, MoE families and layouts we do not map. Megatron-Bridge needs Python >= 3.12, so on Python 3.11 the
 HF <-> Megatron mapping (this file, ``gpt.py``, ``hf_rules.py``, ``hf_load.py``, ``hf_export.py``) is ours.
 """
 
@@ -12,17 +13,13 @@ import json
 import math
 from pathlib import Path
 
-from megatron_rl.common.errors import InputError
+from megatron_rl.models.hf_errors import HFModelError
+from megatron_rl.models.moe_arch import MOE_TYPES, UNMAPPED_MOE_TYPES, MoEArch, read_moe_arch
 from megatron_rl.models.parallel import ModelShape
 
-SUPPORTED = ("llama", "qwen2", "qwen3")
+SUPPORTED = ("llama", "qwen2", "qwen3", *MOE_TYPES)
 # Sizes a model's config.json must give as positive integers.
 _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-
-
-class HFModelError(InputError, ValueError):
-    """A Hugging Face model directory cannot be used: its ``config.json`` is missing, unreadable or
-    describes what we cannot build, or its weights cannot be read or do not fit."""
 # Megatron's vocabulary is padded to a multiple of lcm(VOCAB_MULTIPLE, TP) (see HFArch.padded_vocab).
 VOCAB_MULTIPLE = 128
 
@@ -45,11 +42,20 @@ class HFArch:
     qkv_bias: bool
     qk_norm: bool
     max_position_embeddings: int
+    # Mixture-of-Experts models: every layer's MLP is a MoE layer (None: dense).
+    moe: MoEArch | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
 
     @property
     def shape(self) -> ModelShape:
+        moe = self.moe
         return ModelShape(num_layers=self.num_layers, num_heads=self.num_heads,
-                          num_kv_heads=self.num_kv_heads, vocab_size=self.vocab_size)
+                          num_kv_heads=self.num_kv_heads, vocab_size=self.vocab_size,
+                          num_experts=moe.num_experts if moe else 0,
+                          moe_ffn_hidden_size=moe.ffn_hidden_size if moe else 0)
 
     def padded_vocab(self, tp: int) -> int:
         """Vocabulary rows in Megatron: the HF vocabulary rounded up to a multiple of lcm(128, TP).
@@ -97,6 +103,9 @@ def read_hf_config(hf_dir: str | Path) -> HFArch:
     if not isinstance(cfg, dict):
         raise HFModelError(f"{path}: expected a JSON object")
     model_type = cfg.get("model_type")
+    if model_type in UNMAPPED_MOE_TYPES:
+        raise HFModelError(f"{path}: model_type={model_type!r}: this Mixture-of-Experts family is "
+                            f"not mapped; supported: {list(SUPPORTED)}")
     if model_type not in SUPPORTED:
         raise HFModelError(f"{path}: model_type={model_type!r} is not supported; supported: "
                             f"{list(SUPPORTED)}")
@@ -112,9 +121,13 @@ def read_hf_config(hf_dir: str | Path) -> HFArch:
         qkv_bias = False
     elif model_type == "qwen2":
         qkv_bias = True
+    elif model_type == "qwen2_moe":
+        qkv_bias = cfg.get("qkv_bias", True)
+        if not isinstance(qkv_bias, bool):
+            raise HFModelError(f"{path}: qkv_bias must be true or false, got {qkv_bias!r}")
     else:
         if cfg.get("attention_bias"):
-            raise HFModelError(f"{path}: attention_bias=true is not supported for qwen3")
+            raise HFModelError(f"{path}: attention_bias=true is not supported for {model_type}")
         qkv_bias = False
     sizes = {key: _positive(cfg, key, path) for key in _SIZES}
     heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
@@ -140,6 +153,7 @@ def read_hf_config(hf_dir: str | Path) -> HFArch:
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         max_position_embeddings=_positive(cfg, "max_position_embeddings", path, default=4096),
+        moe=read_moe_arch(cfg, path) if model_type in MOE_TYPES else None,
     )

@@ -1,4 +1,5 @@
-"""Load a HF safetensors checkpoint into this rank's Megatron model chunks, for any TP x PP layout."""
+"""Load a HF safetensors checkpoint into this rank's Megatron model chunks, for any TP x PP (x EP x
+expert TP) layout: each rank reads only its own experts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from megatron_rl.models.hf_config import HFArch, HFModelError
 from megatron_rl.models.hf_rules import Rule, chunk_rules, expected_hf_names, shard
+from megatron_rl.models.moe_rules import local_experts
 from megatron_rl.models.name_schemes import Scheme
 from megatron_rl.models.parallel import ParallelGroups
 
@@ -53,11 +55,19 @@ class HFCheckpoint:
 
 
 def megatron_shards(arch: HFArch, rules: dict[str, Rule], ckpt: HFCheckpoint, tp: int,
-                    tp_rank: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """TP rank ``tp_rank``'s Megatron tensors (named as in ``rules``) from the HF checkpoint, one
-    at a time (only the HF tensors of the current one are held)."""
+                    tp_rank: int, etp: int | None = None, etp_rank: int | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """TP rank ``tp_rank``'s Megatron tensors (named as in ``rules``; routed experts: expert-TP rank
+    ``etp_rank`` of ``etp``, by default the same as TP's) from the HF checkpoint, one at a time
+    (only the HF tensors of the current one are held)."""
     for name, rule in rules.items():
-        yield name, shard(arch, rule, [ckpt.get(n) for n in rule.hf], tp, tp_rank)
+        size, rank = (tp, tp_rank) if rule.expert is None or etp is None else (etp, etp_rank)
+        yield name, shard(arch, rule, [ckpt.get(n) for n in rule.hf], size, rank)
+
+
+def rank_experts(arch: HFArch, groups: ParallelGroups) -> range | None:
+    """The global experts this rank holds (None for a dense model)."""
+    return local_experts(arch.moe, groups.ep, groups.ep_rank) if arch.moe is not None else None
 
 
 @torch.no_grad()
@@ -77,14 +87,15 @@ def load_hf_weights(arch: HFArch, chunks: list, hf_dir: str | Path, groups: Para
         raise HFModelError(f"{hf_dir}: tensors with no Megatron counterpart for {arch.model_type}: "
                            f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
     for chunk in chunks:
-        rules = chunk_rules(arch, chunk, scheme)
+        rules = chunk_rules(arch, chunk, scheme, rank_experts(arch, groups))
         # (Transformer Engine may register an empty placeholder where a layer has no bias.)
         params = {n: p for n, p in chunk.named_parameters() if p.numel() or n in rules}
         unmapped = sorted(set(params) - set(rules))
         if unmapped:
             raise RuntimeError(f"Megatron parameters with no HF mapping ({scheme} names): "
                                f"{unmapped[:5]}")
-        for name, piece in megatron_shards(arch, rules, ckpt, groups.tp, groups.tp_rank):
+        for name, piece in megatron_shards(arch, rules, ckpt, groups.tp, groups.tp_rank,
+                                           groups.etp, groups.etp_rank):
             rule = rules[name]
             param = params[name]
             if tuple(piece.shape) != tuple(param.shape):

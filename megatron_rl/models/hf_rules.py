@@ -7,6 +7,10 @@ zero rows to a multiple of lcm(128, TP) (the policy keeps the padding out of the
 Megatron parameter names come in the scheme of the model's layer spec (``local`` or ``te``, see
 :mod:`megatron_rl.models.name_schemes`); a rule is the same tensor under either name, so the two
 specs load and export the same bytes.
+
+Mixture-of-Experts layers (:mod:`megatron_rl.models.moe_rules`): a routed expert's rule names its
+global expert index; it is split over the expert tensor-parallel group (not TP) and held by one
+expert-parallel rank (:func:`split_of`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import dataclasses
 import torch
 
 from megatron_rl.models.hf_config import HFArch
+from megatron_rl.models.moe_rules import moe_hf_shape, moe_mlp_entries
 from megatron_rl.models.name_schemes import Scheme, layer_param_name
 
 
@@ -26,14 +31,25 @@ class Rule:
     kind: "rep" (replicated), "col" (split on dim 0), "row" (split on dim 1), "vocab" (dim 0, padded
     to a multiple of TP), "qkv" (q, k, v interleaved per query group, split by groups), "fc1" (gate
     and up, each split on dim 0, then concatenated per rank).
+    expert: the global index of the routed expert this parameter belongs to (split over the expert
+    tensor-parallel group, held by one expert-parallel rank); None for every other parameter.
     """
 
     hf: tuple[str, ...]
     kind: str
+    expert: int | None = None
 
 
-def layer_rules(arch: HFArch, i: int, scheme: Scheme = "local") -> dict[str, Rule]:
-    """Layer-relative Megatron parameter name (in ``scheme``) -> rule, for HF layer ``i``."""
+def split_of(rule: Rule, groups) -> tuple[int, int]:
+    """(size, this rank's index) of the tensor-parallel group ``rule``'s parameter is split over:
+    the expert one for routed experts, else TP (``groups``: a ParallelGroups)."""
+    return (groups.etp, groups.etp_rank) if rule.expert is not None else (groups.tp, groups.tp_rank)
+
+
+def layer_rules(arch: HFArch, i: int, scheme: Scheme = "local",
+                experts: range | None = None) -> dict[str, Rule]:
+    """Layer-relative Megatron parameter name (in ``scheme``) -> rule, for HF layer ``i``; a MoE
+    layer with the global ``experts`` (all when None) as its local experts, in order."""
     p = f"model.layers.{i}."
     a = p + "self_attn."
     rules = {
@@ -42,17 +58,21 @@ def layer_rules(arch: HFArch, i: int, scheme: Scheme = "local") -> dict[str, Rul
             (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), "qkv"),
         "self_attention.linear_proj.weight": Rule((a + "o_proj.weight",), "row"),
         "pre_mlp_layernorm.weight": Rule((p + "post_attention_layernorm.weight",), "rep"),
-        "mlp.linear_fc1.weight": Rule(
-            (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "fc1"),
-        "mlp.linear_fc2.weight": Rule((p + "mlp.down_proj.weight",), "row"),
     }
+    if arch.moe is None:
+        rules["mlp.linear_fc1.weight"] = Rule(
+            (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "fc1")
+        rules["mlp.linear_fc2.weight"] = Rule((p + "mlp.down_proj.weight",), "row")
+    else:
+        for name, hf, kind, expert in moe_mlp_entries(arch.moe, experts):
+            rules[name] = Rule(tuple(p + n for n in hf), kind, expert)
     if arch.qkv_bias:
         rules["self_attention.linear_qkv.bias"] = Rule(
             (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), "qkv")
     if arch.qk_norm:
         rules["self_attention.q_layernorm.weight"] = Rule((a + "q_norm.weight",), "rep")
         rules["self_attention.k_layernorm.weight"] = Rule((a + "k_norm.weight",), "rep")
-    return {layer_param_name(name, scheme): rule for name, rule in rules.items()}
+    return {layer_param_name(name, scheme, arch.is_moe): rule for name, rule in rules.items()}
 
 
 EMBED = Rule(("model.embed_tokens.weight",), "vocab")
@@ -61,15 +81,16 @@ LM_HEAD = Rule(("lm_head.weight",), "vocab")
 
 
 def model_rules(arch: HFArch, layers: list[int], *, first: bool, last: bool, output_layer: bool,
-                scheme: Scheme = "local") -> dict[str, Rule]:
+                scheme: Scheme = "local", experts: range | None = None) -> dict[str, Rule]:
     """Megatron parameter name -> rule for a model chunk holding HF ``layers`` (in order), the
     embedding if ``first``, the final norm if ``last`` and an output-layer weight if
-    ``output_layer`` (untied, or the last stage's synchronised copy of a tied embedding)."""
+    ``output_layer`` (untied, or the last stage's synchronised copy of a tied embedding); MoE
+    layers holding the global ``experts`` (all when None)."""
     rules: dict[str, Rule] = {}
     if first:
         rules["embedding.word_embeddings.weight"] = EMBED
     for local, i in enumerate(layers):
-        for suffix, rule in layer_rules(arch, i, scheme).items():
+        for suffix, rule in layer_rules(arch, i, scheme, experts).items():
             rules[f"decoder.layers.{local}.{suffix}"] = rule
     if last:
         rules["decoder.final_layernorm.weight"] = FINAL_NORM
@@ -78,12 +99,14 @@ def model_rules(arch: HFArch, layers: list[int], *, first: bool, last: bool, out
     return rules
 
 
-def chunk_rules(arch: HFArch, chunk, scheme: Scheme = "local") -> dict[str, Rule]:
-    """Megatron parameter name (in ``chunk``) -> rule, for every parameter of the chunk."""
+def chunk_rules(arch: HFArch, chunk, scheme: Scheme = "local",
+                experts: range | None = None) -> dict[str, Rule]:
+    """Megatron parameter name (in ``chunk``) -> rule, for every parameter of the chunk (a MoE
+    model's chunk holding the global ``experts``)."""
     return model_rules(arch, [layer.layer_number - 1 for layer in chunk.decoder.layers],
                        first=chunk.pre_process, last=chunk.post_process,
                        output_layer=chunk.post_process and chunk.output_layer.weight is not None,
-                       scheme=scheme)
+                       scheme=scheme, experts=experts)
 
 
 def qkv_per_group(arch: HFArch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -148,6 +171,9 @@ def expected_hf_names(arch: HFArch) -> set[str]:
 def hf_shape(arch: HFArch, name: str) -> tuple[int, ...]:
     """Shape of HF tensor ``name``."""
     h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    moe = moe_hf_shape(arch.moe, h, name) if arch.moe is not None else None
+    if moe is not None:
+        return moe
     leaf = name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1]
     shapes = {
         "embed_tokens.weight": (arch.vocab_size, h), "lm_head.weight": (arch.vocab_size, h),

@@ -21,6 +21,13 @@ Both specs keep Megatron's ``sharded_state_dict_keys_map`` (the local spec's che
 norms under the TE names; loading one spec's checkpoint into the other is untested here, where TE
 cannot run); the parameter names differ only where TE folds the norms into the linears
 (:mod:`megatron_rl.models.name_schemes`).
+
+Mixture-of-Experts models (every layer's MLP a ``MoELayer``): ``te`` builds the routed experts as
+``TEGroupedMLP`` (grouped GEMMs, ``moe_grouped_gemm``), ``local`` as ``SequentialMLP`` (one
+Megatron MLP per local expert); both route with :class:`~megatron_rl.models.moe_signals.Router`
+(Megatron's top-k router with per-micro-batch auxiliary losses) and dispatch tokens by all-to-all.
+A MoE layer keeps its pre-MLP norm as a module in both (TE cannot fold it into the experts), so the
+local spec's keys map drops that entry (Megatron's local spec maps it as for a dense MLP).
 """
 
 from __future__ import annotations
@@ -67,14 +74,15 @@ def resolve_layer_spec(name: str, key: str = "policy.layer_spec") -> str:
     return name
 
 
-def _local_layer(qk_norm: bool):
+def _local_layer(qk_norm: bool, num_experts: int | None = None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from megatron_rl.models.attention import SDPAttention
 
-    layer = get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    layer = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                     qk_layernorm=qk_norm, normalization="RMSNorm")
     qk = ModuleSpec(module=RMSNorm, params={"for_qk": True}) if qk_norm else IdentityOp
     attn = layer.submodules.self_attention
     attn = dataclasses.replace(attn, submodules=dataclasses.replace(
@@ -83,22 +91,48 @@ def _local_layer(qk_norm: bool):
         layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm, self_attention=attn))
 
 
+def local_layer_spec(qk_norm: bool, num_experts: int | None = None):
+    """The local spec's layer (a MoE layer with ``num_experts``), as the policy builds it."""
+    layer = _local_layer(qk_norm, num_experts)
+    return moe_layer(layer) if num_experts else layer
+
+
+def moe_layer(layer):
+    """A MoE layer spec of Megatron's with our router, and (local spec) the keys map without the
+    pre-MLP norm entry (see the module doc)."""
+    from megatron_rl.models.moe_signals import router_class
+
+    sub = layer.submodules
+    mlp = dataclasses.replace(sub.mlp, submodules=dataclasses.replace(sub.mlp.submodules,
+                                                                      router=router_class()))
+    keys = {k: v for k, v in (sub.sharded_state_dict_keys_map or {}).items()
+            if k != "pre_mlp_layernorm."}
+    return dataclasses.replace(layer, submodules=dataclasses.replace(
+        sub, mlp=mlp, sharded_state_dict_keys_map=keys))
+
+
 def gpt_block_spec(config, qk_norm: bool, vp_stage: int | None, pp_rank: int,
                    layer_spec: str = "local"):
-    """Block spec for this pipeline stage / virtual stage with the resolved ``layer_spec``."""
+    """Block spec for this pipeline stage / virtual stage with the resolved ``layer_spec``; MoE
+    layers where ``config.num_moe_experts`` is set."""
     from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
                                                              get_num_layers_to_build)
 
+    experts = config.num_moe_experts
     if layer_spec == "te":
         from megatron.core.extensions.transformer_engine import TENorm
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec)
 
-        layer, final_norm = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm), TENorm
+        layer = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=bool(experts), qk_layernorm=qk_norm)
+        final_norm = TENorm
     elif layer_spec == "local":
-        layer, final_norm = _local_layer(qk_norm), RMSNorm
+        layer, final_norm = _local_layer(qk_norm, experts), RMSNorm
     else:
         raise ValueError(f"gpt_block_spec: layer_spec must be resolved to te or local, got "
                          f"{layer_spec!r}")
+    if experts:
+        layer = moe_layer(layer)
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=final_norm)

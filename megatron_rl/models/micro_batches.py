@@ -36,6 +36,7 @@ class MicroInputs:
     mask: torch.Tensor  # [b, T] every response token of the rows (on every CP rank)
     width: int  # T
     seq_len: int  # S, the padded length before the CP split
+    padding_mask: torch.Tensor  # [b, S / CP] True where input_ids is padding (this CP rank's part)
     # A stand-in so that a rank with no response tokens still runs the schedule (and joins the
     # gradient all-reduce): its outputs are ignored and its loss is 0.
     dummy: bool = False
@@ -48,11 +49,13 @@ def make_micro_inputs(batch: SequenceBatch, index: list[int], seq_len: int, rows
     seqs = [batch.sequences[i] for i in index]
     prompts = [batch.prompt_lens[i] for i in index]
     ids = torch.zeros(rows, seq_len, dtype=torch.long)
+    padding = torch.ones(rows, seq_len, dtype=torch.bool)
     pos_s, pos_b, col, labels = [], [], [], []
     width = max(1, max(len(s) - p for s, p in zip(seqs, prompts)))
     mask = torch.zeros(len(seqs), width, dtype=torch.bool)
     for r, (s, p) in enumerate(zip(seqs, prompts)):
         ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
+        padding[r, : len(s)] = False
         n = len(s) - p
         pos_s.append(torch.arange(p - 1, len(s) - 1))
         pos_b.append(torch.full((n,), r, dtype=torch.long))
@@ -60,7 +63,7 @@ def make_micro_inputs(batch: SequenceBatch, index: list[int], seq_len: int, rows
         labels.append(torch.tensor(s[p:], dtype=torch.long))
         mask[r, :n] = True
     pos_s, pos_b, col, labels = (torch.cat(xs) for xs in (pos_s, pos_b, col, labels))
-    local = split_for_cp({"input_ids": ids,
+    local = split_for_cp({"input_ids": ids, "padding_mask": padding,
                           "position_ids": torch.arange(seq_len).expand(rows, seq_len)}, cp_group)
     held = local["position_ids"][0]  # the sequence positions this rank holds, in local order
     where = torch.full((seq_len,), -1, dtype=torch.long)
@@ -71,7 +74,8 @@ def make_micro_inputs(batch: SequenceBatch, index: list[int], seq_len: int, rows
                        position_ids=local["position_ids"].contiguous().to(device),
                        pos_s=pos_s.to(device), pos_b=pos_b.to(device), col=col.to(device),
                        labels=labels.to(device), mask=mask.to(device), width=width,
-                       seq_len=seq_len)
+                       seq_len=seq_len,
+                       padding_mask=local["padding_mask"].contiguous().to(device))
 
 
 def plan_micro_batches(batch: SequenceBatch, groups: ParallelGroups, token_budget: int

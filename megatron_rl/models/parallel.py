@@ -50,6 +50,8 @@ class ModelShape:
     num_heads: int
     num_kv_heads: int
     vocab_size: int
+    num_experts: int = 0  # routed experts per MoE layer; 0: a dense model
+    moe_ffn_hidden_size: int = 0  # each routed expert's SwiGLU width
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -80,6 +82,26 @@ class ParallelGroups:
     cp: int = 1
     cp_rank: int = 0
     cp_group: dist.ProcessGroup | None = None
+    # Mixture-of-Experts: the expert grid (expert TP x EP x PP x expert DP over the same ranks).
+    # This rank holds routed experts [ep_rank * E / ep, (ep_rank + 1) * E / ep) of its stage's
+    # layers, each split over its expert-TP group; expert-DP ranks hold the same ones.
+    ep: int = 1
+    ep_rank: int = 0
+    etp: int = 1
+    etp_rank: int = 0
+    edp: int = 1
+    edp_rank: int = 0
+    ep_group: dist.ProcessGroup | None = None
+    etp_group: dist.ProcessGroup | None = None
+    edp_group: dist.ProcessGroup | None = None
+    # Global ranks of this rank's expert-TP group (in ETP rank order).
+    etp_ranks: tuple[int, ...] = (0,)
+    # expert_owners[pp_rank][ep_rank]: the global rank holding that stage's experts of that EP rank
+    # at expert-TP rank 0 of expert-DP replica 0 (where an export gathers them).
+    expert_owners: tuple[tuple[int, ...], ...] = ((0,),)
+    # stage_owners[pp_rank]: the global rank of that stage's TP rank 0 in data- and context-parallel
+    # replica 0 (where an export gathers the stage's other tensors); the same on every rank.
+    stage_owners: tuple[int, ...] = (0,)
 
     @property
     def is_first_stage(self) -> bool:
@@ -98,8 +120,8 @@ class ParallelGroups:
         """Raise if Megatron's groups were rebuilt for another layout since these were made."""
         if self.generation != _GENERATION["value"]:
             raise RuntimeError(
-                f"these ParallelGroups (TP={self.tp}, PP={self.pp}, CP={self.cp}, DP={self.dp}) are "
-                f"stale: "
+                f"these ParallelGroups (TP={self.tp}, PP={self.pp}, CP={self.cp}, DP={self.dp}, "
+                f"EP={self.ep}, ETP={self.etp}) are stale: "
                 f"init_distributed was called again with layout {_GENERATION['layout']}")
 
 
@@ -109,6 +131,7 @@ def check_layout(cfg: ParallelConfig, world_size: int, shape: ModelShape | None 
     Raises :class:`ConfigError` naming the config key and the offending values.
     """
     cfg.validate()
+    _check_expert_layout(cfg, world_size, shape)
     tp, pp, cp = cfg.tensor_parallel, cfg.pipeline_parallel, cfg.context_parallel
     what = f"tensor_parallel ({tp}) x pipeline_parallel ({pp})"
     if cp > 1:
@@ -139,6 +162,39 @@ def check_layout(cfg: ParallelConfig, world_size: int, shape: ModelShape | None 
             cfg.fail(name, f"num_hidden_layers ({shape.num_layers}) is not divisible by "
                      f"pipeline_parallel ({pp}) x virtual_pipeline ({cfg.vpp}) = {stages}")
     return world_size // (tp * pp * cp)
+
+
+def _check_expert_layout(cfg: ParallelConfig, world_size: int, shape: ModelShape | None) -> None:
+    """The expert grid: refused for dense models; EP x ETP x PP divides the world, EP the experts,
+    ETP each expert's width; tensor parallelism with experts needs sequence parallelism."""
+    ep, etp, pp = cfg.expert_parallel, cfg.etp, cfg.pipeline_parallel
+    if shape is not None and shape.num_experts == 0:
+        for key, value in (("expert_parallel", ep), ("expert_tensor_parallel",
+                                                      cfg.expert_tensor_parallel)):
+            if value not in (None, 1):
+                cfg.fail(key, f"={value} needs a Mixture-of-Experts model; this model is dense")
+        return
+    if ep == 1 and cfg.expert_tensor_parallel is None:
+        what = None
+    else:
+        what = (f"expert_tensor_parallel ({etp}) x expert_parallel ({ep}) x pipeline_parallel "
+                f"({pp}) = {etp * ep * pp}")
+    if what and world_size % (etp * ep * pp):
+        key = "expert_parallel" if ep > 1 else "expert_tensor_parallel"
+        cfg.fail(key, f"{what} does not divide the world size {world_size}")
+    if shape is None:
+        return
+    if shape.num_experts % ep:
+        cfg.fail("expert_parallel", f"num_experts ({shape.num_experts}) is not divisible by "
+                 f"expert_parallel ({ep})")
+    if shape.moe_ffn_hidden_size % etp:
+        key = "expert_tensor_parallel" if cfg.expert_tensor_parallel else "tensor_parallel"
+        cfg.fail(key, f"moe_intermediate_size ({shape.moe_ffn_hidden_size}) is not divisible by "
+                 f"the expert tensor-parallel size ({etp})")
+    if cfg.tensor_parallel > 1 and not cfg.sequence_parallel:
+        cfg.fail("sequence_parallel", f"Mixture-of-Experts models with tensor_parallel "
+                 f"({cfg.tensor_parallel}) > 1 need sequence_parallel: true (Megatron's MoE layer "
+                 f"refuses to train without it)")
 
 
 def _world_from_env() -> tuple[int, int]:
@@ -190,7 +246,7 @@ def init_distributed(cfg: ParallelConfig, timeout_s: float | None = None,
         backend = dist.get_backend()
 
     layout = (cfg.tensor_parallel, cfg.pipeline_parallel, cfg.virtual_pipeline,
-              cfg.context_parallel)
+              cfg.context_parallel, cfg.expert_parallel, cfg.expert_tensor_parallel)
     _destroy_megatron_groups()
     before = set(_live_groups())
     try:
@@ -200,6 +256,8 @@ def init_distributed(cfg: ParallelConfig, timeout_s: float | None = None,
                 pipeline_model_parallel_size=cfg.pipeline_parallel,
                 virtual_pipeline_model_parallel_size=cfg.virtual_pipeline if cfg.vpp > 1 else None,
                 context_parallel_size=cfg.context_parallel,
+                expert_model_parallel_size=cfg.expert_parallel,
+                expert_tensor_parallel_size=cfg.etp,
                 distributed_timeout_minutes=max(1, int(-(-timeout_s // 60))),
             )
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -207,7 +265,8 @@ def init_distributed(cfg: ParallelConfig, timeout_s: float | None = None,
         _CREATED_GROUPS[:] = [pg for pg in _live_groups() if pg not in before]
     _GENERATION["value"] += 1
     _GENERATION["layout"] = dict(zip(("tensor_parallel", "pipeline_parallel", "virtual_pipeline",
-                                      "context_parallel"), layout))
+                                      "context_parallel", "expert_parallel",
+                                      "expert_tensor_parallel"), layout))
     return ParallelGroups(
         world_size=world_size, rank=world_rank,
         tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, dp=dp, vpp=cfg.vpp,
@@ -227,6 +286,40 @@ def init_distributed(cfg: ParallelConfig, timeout_s: float | None = None,
         cp=cfg.context_parallel,
         cp_rank=ps.get_context_parallel_rank(),
         cp_group=ps.get_context_parallel_group(),
+        **_expert_groups(cfg, world_size),
+    )
+
+
+def _expert_groups(cfg: ParallelConfig, world_size: int) -> dict:
+    """The expert grid's sizes, this rank's place in it, its groups, and where each stage's tensors
+    and each (stage, EP rank)'s experts are gathered (one all-gather of every rank's coordinates)."""
+    from megatron.core import parallel_state as ps
+
+    ep, etp, pp = cfg.expert_parallel, cfg.etp, cfg.pipeline_parallel
+    place = (ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank(),
+             ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank(),
+             ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+             and ps.get_context_parallel_rank() == 0)
+    places = [place]
+    if world_size > 1:
+        places = [None] * world_size
+        dist.all_gather_object(places, place)
+    owners = [[-1] * ep for _ in range(pp)]
+    stages = [-1] * pp
+    for rank, (pp_rank, ep_rank, etp_rank, edp_rank, stage_first) in enumerate(places):
+        if etp_rank == 0 and edp_rank == 0:
+            owners[pp_rank][ep_rank] = rank
+        if stage_first:
+            stages[pp_rank] = rank
+    etp_group = ps.get_expert_tensor_parallel_group()
+    return dict(
+        ep=ep, ep_rank=place[1], etp=etp, etp_rank=place[2],
+        edp=world_size // (ep * etp * pp), edp_rank=place[3],
+        ep_group=ps.get_expert_model_parallel_group(), etp_group=etp_group,
+        edp_group=ps.get_expert_data_parallel_group(),
+        etp_ranks=tuple(dist.get_process_group_ranks(etp_group)),
+        expert_owners=tuple(tuple(row) for row in owners),
+        stage_owners=tuple(stages),
     )
 
 

@@ -1,7 +1,9 @@
 """The Megatron-Core policy: log-probs and entropy of responses, one optimizer step, HF export.
 
 Built from a Hugging Face checkpoint into any TP x PP (x VPP) x CP x DP layout (:meth:`from_hf`),
-on the Transformer Engine or the local layer spec (``policy.layer_spec``).
+a Mixture-of-Experts model's experts also over EP x expert TP, on the Transformer Engine or the
+local layer spec (``policy.layer_spec``). A MoE policy's objective also holds the load-balancing
+and z-losses, and :meth:`train_step` returns the routing metrics (:mod:`~megatron_rl.models.moe_signals`).
 :meth:`compute_logprobs` is :class:`~megatron_rl.models.forward.PolicyForward`'s; :meth:`train_step`
 shards and packs the batch the same way and runs it through the same pipeline schedule with the
 backward pass, then one optimizer step.
@@ -38,6 +40,7 @@ from megatron_rl.models.forward import PolicyForward, build_from_hf, params_dtyp
 from megatron_rl.models.hf_config import HFArch
 from megatron_rl.models.hf_export import export_hf_metadata, export_hf_weights
 from megatron_rl.models.micro_batches import plan_micro_batches
+from megatron_rl.models.moe_signals import MoESignals
 from megatron_rl.models.optimizer import wrap_for_training
 from megatron_rl.models.parallel import ParallelGroups
 from megatron_rl.models.routing_replay import Routes
@@ -54,6 +57,9 @@ class MegatronPolicy(PolicyForward):
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.steps = 0
+        # Mixture-of-Experts: the load-balancing / z-losses and the routing metrics of each step
+        self.moe = (MoESignals([m.module for m in model], arch.moe, arch.num_layers, cfg.moe, groups)
+                    if arch.moe is not None else None)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -77,6 +83,8 @@ class MegatronPolicy(PolicyForward):
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.moe is not None:
+            self.moe.begin_step(len(micro), micro[0].dummy)
 
         def loss_step(mb, chunk, hidden):
             logp, ent = self._token_stats(mb, hidden, chunk, temperature, with_entropy)
@@ -105,6 +113,7 @@ class MegatronPolicy(PolicyForward):
             return loss + keep, torch.tensor(int(mb.mask.sum()), dtype=torch.int), metrics
 
         stored = self._run(micro, loss_step, forward_only=False, batch=batch, routes=routes)
+        moe_metrics = self.moe.end_step() if self.moe is not None else {}
         self.scheduler.step(increment=1)  # this step's learning rate (warm-up starts above 0)
         lr = self.lr
         with megatron_cpu_scope():
@@ -117,6 +126,7 @@ class MegatronPolicy(PolicyForward):
         else:
             gathered = [mine]
         metrics = reduce_metrics(d for part in gathered for d in part)
+        metrics.update(moe_metrics)
         if per_sequence is not None:
             per_sequence.gather(_all_reduce_cpu(g) if g.world_size > 1 else None)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan

@@ -88,7 +88,8 @@ class RolloutConfig(ConfigBase):
     # vllm_server: directory where launched engines register (host, port, model, version); empty:
     # RUN_DIR/engines.
     registry_dir: str = ""
-    # vllm_server: seconds to wait for the engines to register and answer /health at start-up.
+    # vllm_server: seconds to wait for the engines to register and answer /health at start-up, and,
+    # when every engine is lost (mid-step or at a sync), for their launchers to restart some.
     start_timeout_s: float = ranged(900.0, gt=0.0)
     # vllm_server: seconds a control call (/health, /pause, /reset_prefix_cache, ...) may take.
     control_timeout_s: float = ranged(30.0, gt=0.0)

@@ -67,6 +67,12 @@ class GroupStream(ABC):
     def in_flight(self) -> int:
         """Groups submitted and not yet delivered."""
 
+    def stop_with_partials(self) -> bool:
+        """Stop everything in flight now, each request answering with what it generated so far
+        (finish reason ``abort`` for the samples it stopped); False: this engine cannot (its
+        requests are then left as they are)."""
+        return False
+
     def before_weight_update(self) -> None:
         """Partial rollouts: freeze what is in flight before new weights are loaded (servers:
         ``/pause?mode=keep``). Default: nothing (the engine loads weights between two steps)."""

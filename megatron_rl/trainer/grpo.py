@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rl.algo import AlgoConfig
+from megatron_rl.algo import POLICY_LOSSES, AlgoConfig, token_masks
 from megatron_rl.common.metrics import reduce_metrics
 from megatron_rl.models.batch import PerSequence, SequenceBatch
 from megatron_rl.tracking.console import StageProgress
 from megatron_rl.trainer import phases
-from megatron_rl.trainer.async_rollout import RolloutScheduler, open_rollouts
+from megatron_rl.trainer.async_rollout import Interrupted, RolloutScheduler, open_rollouts
 from megatron_rl.trainer.checkpointing import begin_stage, ensure_reference, finish_stage, save_checkpoint
 from megatron_rl.trainer.config import StageConfig
 from megatron_rl.trainer.context import Context
@@ -23,6 +23,7 @@ from megatron_rl.trainer.evaluate import evaluate, record_eval, sync_weights
 from megatron_rl.trainer.no_update import NoUpdateStop, NoUpdateWatch, no_update_reason
 from megatron_rl.trainer.routing_replay import StepRouting, logp_gap
 from megatron_rl.trainer.state import RunDir, TrainerState
+from megatron_rl.trainer.teacher import ensure_teacher
 
 if TYPE_CHECKING:
     from megatron_rl.data import PromptLoader
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
     from megatron_rl.models.reference import ReferencePolicy
 
 log = logging.getLogger("megatron_rl")
+
+# What the driver broadcasts instead of a batch when a stop request interrupted the step's generation.
+INTERRUPTED = "interrupted"
 
 
 class StepTimer:
@@ -58,17 +62,19 @@ def train_stage(ctx: Context, stage: StageConfig, *, eval_start: bool = False) -
     of the weights it starts from (the run's ``start``)."""
     cfg = ctx.cfg
     ensure_reference(ctx)
+    ensure_teacher(ctx)
     state, loader = begin_stage(ctx, stage)  # the engines now hold the weights it starts from
     if eval_start:
         record_eval(ctx, "start", stage.max_response_len)
     rollouts = open_rollouts(ctx, stage, state, loader)  # the driver's source of rollouts (rollout.async)
     try:
         with StageProgress(stage.name, stage.max_steps, state.step, enabled=ctx.is_driver and cfg.tracking.console) as bar:
-            run_steps(ctx, stage, state, loader, rollouts, bar)
+            interrupted = run_steps(ctx, stage, state, loader, rollouts, bar)
         if ctx.is_driver and ctx.observer is not None:
             ctx.observer.flush()
         if ctx.stop_agreed() and state.step < stage.max_steps:
-            if not RunDir.is_complete(ctx.run.step_dir(stage.name, state.step)):  # not just saved periodically
+            # (again after an interrupted step: the checkpoint then keeps what it generated)
+            if interrupted or not RunDir.is_complete(ctx.run.step_dir(stage.name, state.step)):
                 save_checkpoint(ctx, stage, state, loader, rollouts)
             return
     finally:
@@ -78,7 +84,9 @@ def train_stage(ctx: Context, stage: StageConfig, *, eval_start: bool = False) -
 
 
 def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: PromptLoader | None,
-              rollouts: RolloutScheduler | None, bar: StageProgress) -> None:
+              rollouts: RolloutScheduler | None, bar: StageProgress) -> bool:
+    """The stage's steps until its end or a stop; True when a stop request interrupted a step's
+    generation (preemption: nothing of that step was trained, what it generated is kept)."""
     cfg = ctx.cfg
     watch = NoUpdateWatch(cfg.trainer.max_steps_without_update)
     while state.step < stage.max_steps and not ctx.stop_agreed():
@@ -88,23 +96,32 @@ def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: Pro
         sample = ""
         if ctx.is_driver:  # generate + score (timed "gen" / "reward"), as soon as rollout.async allows
             ctx.engines_wake()
-            ro, m = rollouts.next_rollout(state.step, state.global_step, state.weight_version, timer)
+            try:
+                ro, m = rollouts.next_rollout(state.step, state.global_step, state.weight_version, timer,
+                                              stop=lambda: ctx.stop.requested)
+            except Interrupted as exc:
+                log.warning("stage %s: %s: the step is given up, what it generated is kept", stage.name, exc)
+                ro, m, batch = None, {}, INTERRUPTED
             if not cfg.rollout.async_.enabled:  # colocated on GPUs: nothing generates while training
                 ctx.engines_sleep()
             m.update(ctx.engine.pop_metrics())  # the fleet's re-sent requests, engines up / down
             metrics.update(m)
             if ro is not None:
                 metrics.update(phases.rollout_metrics(ro, cfg.algo.correct_reward))
-                batch, m = phases.make_batch(ro, cfg.algo)
+                batch, m = phases.make_batch(ro, cfg.algo, stage.max_response_len)
                 metrics.update(m)
                 sample = (f"{ro.completions[0].text[:300]!r} (ground truth "
                           f"{ro.records[0].ground_truth!r})")
         batch = ctx.broadcast(batch)
+        if isinstance(batch, str):  # INTERRUPTED: every rank leaves the step
+            ctx.stop.requested = True  # (so that every rank agrees to stop)
+            return True
         per_sample = None
         if batch is not None:
             with timer("logprob"):
                 metrics.update(add_logprobs(ctx.policy, ctx.reference, batch, cfg.algo,
-                                            cfg.rollout.temperature, state.weight_version))
+                                            cfg.rollout.temperature, state.weight_version,
+                                            teacher=ctx.teacher))
             with timer("update"):
                 m, per_sample = update_policy(
                     ctx.policy, batch, cfg.algo, cfg.rollout.temperature, alpha=ctx.entropy_ctl.alpha,
@@ -147,34 +164,45 @@ def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: Pro
         if stop:
             log.info("stage %s: validation accuracy plateaued at step %d", stage.name, state.step)
             break
+    return False
 
 
 def needs_old_logprobs(a: AlgoConfig, batch: SequenceBatch, version: int) -> bool:
     """Whether the old policy's log-probs must be recomputed before the update. Strictly
-    on-policy (one pass, one mini-batch, no mismatch correction, no KL in the reward) with every
-    token sampled by the current weights (``version``), the old policy is the current one, and the
-    loss uses the training forward's own log-probs instead. A rollout from older weights
-    (rollout.async) is always recomputed; TIS / IcePop then weigh it with the engine's log-probs."""
+    on-policy (one pass, one mini-batch, no mismatch correction or loss that weighs tokens by the
+    engine's log-probs, no KL in the reward, no token mask) with every token sampled by the current
+    weights (``version``), the old policy is the current one, and the loss uses the training
+    forward's own log-probs instead. A rollout from older weights (rollout.async) is always
+    recomputed; TIS / IcePop / decoupled PPO then weigh it with the engine's log-probs. A token
+    mask needs the old policy's entropy over the whole batch before the first optimizer step."""
     versions = batch.token_fields.get("weight_version")
     behind = versions is not None and any(bool((v != version).any()) for v in versions)
-    return (a.n_sgd > 1 or a.mini_batches > 1 or a.mismatch.mode != "none"
-            or (a.kl.enabled and a.kl.as_reward) or behind)
+    weighs = getattr(POLICY_LOSSES[a.policy_loss], "uses_rollout_logp", False)
+    return (a.n_sgd > 1 or a.mini_batches > 1 or a.mismatch.mode != "none" or weighs
+            or (a.kl.enabled and a.kl.as_reward) or a.token_mask.mode != "none" or behind)
 
 
 def add_logprobs(policy: MegatronPolicy, reference: ReferencePolicy | None, batch: SequenceBatch,
-                 a: AlgoConfig, temperature: float, version: int) -> dict:
-    """The log-prob phase (step 4): the old policy's and the reference's log-probs of every response
-    token, recomputed by the trainer at the sampling temperature (``old_logp`` when
-    :func:`needs_old_logprobs`, ``ref_logp`` when ``algo.kl.enabled``), then, with
-    ``algo.kl.as_reward``, the advantages recomputed from the KL-shaped rewards. ``version`` is the
-    trainer's weight version (tokens sampled by older ones are stale). Collective."""
+                 a: AlgoConfig, temperature: float, version: int, *,
+                 teacher: ReferencePolicy | None = None) -> dict:
+    """The log-prob phase (step 4): the old policy's, the reference's and the teacher's log-probs of
+    every response token, recomputed by the trainer at the sampling temperature (``old_logp`` when
+    :func:`needs_old_logprobs`, ``ref_logp`` when ``algo.kl.enabled``, ``teacher_logp`` with
+    ``algo.distill``), then, with ``algo.kl.as_reward``, the advantages recomputed from the
+    KL-shaped rewards, and with ``algo.token_mask`` the trained tokens (``token_mask``) chosen from
+    the old policy's entropy. ``version`` is the trainer's weight version (tokens sampled by older
+    ones are stale). Collective."""
     metrics: dict = {}
     routing = StepRouting(a)  # MoE routing replay: the routes each pass replays (or records)
     routes = None
     if needs_old_logprobs(a, batch, version):
         routes = routing.old_pass(batch)
-        logp, _ = policy.compute_logprobs(batch, temperature, with_entropy=False, routes=routes)
+        masked = a.token_mask.mode != "none"
+        logp, entropy = policy.compute_logprobs(batch, temperature, with_entropy=masked, routes=routes)
         batch.token_fields["old_logp"] = logp
+        if masked:
+            batch.token_fields["token_mask"], m = token_masks(entropy, a.token_mask)
+            metrics.update(m)
         metrics["rollout/train_infer_logp_gap"] = logp_gap(logp, batch.token_fields["rollout_logp"])
         versions = batch.token_fields.get("weight_version")
         if versions is not None and any(bool((v != version).any()) for v in versions):
@@ -189,6 +217,10 @@ def add_logprobs(policy: MegatronPolicy, reference: ReferencePolicy | None, batc
         batch.token_fields["ref_logp"], _ = reference.compute_logprobs(batch, temperature)
         if a.kl.as_reward:
             metrics.update(phases.kl_shaped_advantages(batch, a))
+    if a.distill.enabled:
+        if teacher is None:
+            raise RuntimeError("algo.distill needs the teacher (trainer.teacher.ensure_teacher builds it)")
+        batch.token_fields["teacher_logp"], _ = teacher.compute_logprobs(batch, temperature)
     return metrics
 
 

@@ -19,8 +19,9 @@ def groups():
 
 @pytest.fixture(scope="session")
 def parallel_run(tmp_path_factory):
-    """One ``torchrun --nproc-per-node 4`` of parallel_worker.py for test_policy_parallel.py and
-    test_context_parallel.py: the HF models it read (HF_ROOT) and each worker's results."""
+    """One ``torchrun --nproc-per-node 4`` of parallel_worker.py for test_policy_parallel.py,
+    test_context_parallel.py and test_moe_parallel.py: the HF models it read (HF_ROOT) and each
+    worker's results."""
     from pathlib import Path
 
     from policy_testlib import torchrun, write_hf_models

@@ -1,9 +1,10 @@
-"""torchrun worker of both multi-rank policy modules: policy_worker.py's cases (TP / PP / VPP / SP /
-DP, round trips, checkpoints) and cp_worker.py's (context parallelism) in one launch, each worker's
-results in its own directory.
+"""torchrun worker of the multi-rank policy modules: policy_worker.py's cases (TP / PP / VPP / SP /
+DP, round trips, checkpoints), cp_worker.py's (context parallelism) and moe_worker.py's (Mixture of
+Experts: expert layouts, their checkpoints) in one launch, each worker's results in its own
+directory.
 
 Usage: torchrun --nproc-per-node 4 parallel_worker.py OUT_DIR HF_ROOT
-(results in OUT_DIR/policy and OUT_DIR/cp). A launch costs 10-20 s of imports on two cores; the
+(results in OUT_DIR/policy, OUT_DIR/cp and OUT_DIR/moe). A launch costs 10-20 s of imports on two cores; the
 cases share one since init_distributed destroys each layout's groups (before, every layout's gloo
 groups kept their threads and one launch of both reached ~2100 threads per rank).
 """
@@ -16,12 +17,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import cp_worker  # noqa: E402
+import moe_worker  # noqa: E402
 import policy_worker  # noqa: E402
 from policy_testlib import run_cases  # noqa: E402
 
 from megatron_rl.compat import apply_compat  # noqa: E402
 
-WORKERS = {"policy": policy_worker, "cp": cp_worker}
+WORKERS = {"policy": policy_worker, "cp": cp_worker, "moe": moe_worker}
 
 
 def main() -> None:

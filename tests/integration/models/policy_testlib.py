@@ -45,12 +45,52 @@ def write_hf_model(out_dir: str | Path, arch: str, *, tie: bool = False, vocab: 
     return out
 
 
+def write_hf_moe_model(out_dir: str | Path, arch: str = "qwen3_moe", *, experts: int = 4,
+                       top_k: int = 2, layers: int = 2, vocab: int = VOCAB, hidden: int = 32,
+                       heads: int = 4, kv_heads: int = 2, seed: int = 0) -> Path:
+    """A tiny random fp32 Mixture-of-Experts checkpoint (qwen3_moe: q/k norms, top-k renormalised;
+    qwen2_moe: qkv bias, a gated shared expert, top-k not renormalised), weights sharpened and
+    norms / biases perturbed so that routing and every parameter matter."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=40,
+                  moe_intermediate_size=24, num_experts=experts, num_experts_per_tok=top_k,
+                  num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, max_position_embeddings=128, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[],
+                  router_aux_loss_coef=0.02)
+    if arch == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**common, head_dim=16, norm_topk_prob=True, rope_theta=1e6)
+    elif arch == "qwen2_moe":
+        cfg = Qwen2MoeConfig(**common, norm_topk_prob=False, shared_expert_intermediate_size=20,
+                             rope_theta=1e6)
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mlp.gate.weight"):  # decisive routing (no near-ties)
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.mul_(3.0)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    return out
+
+
 def write_hf_models(root: str | Path) -> Path:
-    """``root``/llama (untied), qwen2 (tied, qkv bias), qwen3 (q/k norms), 2 KV heads each."""
+    """``root``/llama (untied), qwen2 (tied, qkv bias), qwen3 (q/k norms), 2 KV heads each, and the
+    Mixture-of-Experts qwen3_moe and qwen2_moe (:func:`write_hf_moe_model`)."""
     root = Path(root)
     write_hf_model(root / "llama", "llama", tie=False, kv_heads=2)
     write_hf_model(root / "qwen2", "qwen2", tie=True, kv_heads=2)
     write_hf_model(root / "qwen3", "qwen3", tie=False, kv_heads=2)
+    write_hf_moe_model(root / "qwen3_moe", "qwen3_moe")
+    write_hf_moe_model(root / "qwen2_moe", "qwen2_moe")
     return root
 
 
@@ -95,13 +135,22 @@ def seq_means(mb) -> dict[str, torch.Tensor]:
             "ent": mb.entropy.masked_fill(~m, 0.0).sum(1) / n}
 
 
+def load_hf_float64(hf_dir: str | Path):
+    """The transformers model in float64, eval mode (MoE experts: the eager per-expert loop; the
+    default grouped-GEMM path has no float64 kernel)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    moe = "moe" in json.loads((Path(hf_dir) / "config.json").read_text())["model_type"]
+    kwargs = {"experts_implementation": "eager"} if moe else {}
+    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64, **kwargs).eval()
+
+
 def hf_reference(hf_dir: str | Path, batch, temperature: float, grads: bool = True):
     """float64 transformers: per-sequence response log-probs and entropies, the summed test loss
     and its gradient per HF parameter name."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64)
-    model.eval()
+    model = load_hf_float64(hf_dir)
     denom = float(sum(batch.response_lens))
     logps, ents, total = [], [], 0.0
     model.zero_grad()

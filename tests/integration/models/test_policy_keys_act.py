@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from policy_testlib import LENGTHS, PROMPTS, make_batch, make_loss_fn, write_hf_model
+from policy_testlib import LENGTHS, PROMPTS, make_batch, make_loss_fn, write_hf_model, write_hf_moe_model
 
 pytestmark = pytest.mark.slow
 
@@ -46,14 +46,22 @@ PROBES = {  # key: (changed value, given overrides)
     "policy.recompute.method": ("block", ["policy.recompute.granularity=full"]),
     "policy.recompute.num_layers": ("2", ["policy.recompute.granularity=full"]),
     "policy.recompute.modules": ("[mlp]", ["policy.recompute.granularity=selective"]),
+    # Mixture-of-Experts keys: observed on a MoE model (MOE_KEYS)
+    "policy.parallel.expert_parallel": ("2", []),
+    "policy.parallel.expert_tensor_parallel": ("2", []),
+    "policy.moe.aux_loss_coef": ("0.5", []),
+    "policy.moe.z_loss_coef": ("0.1", []),
 }
+MOE_KEYS = {"policy.parallel.expert_parallel", "policy.parallel.expert_tensor_parallel",
+            "policy.moe.aux_loss_coef", "policy.moe.z_loss_coef"}
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("keys")
     return (write_hf_model(root / "a", "llama", kv_heads=2, layers=4),
-            write_hf_model(root / "b", "llama", kv_heads=2, layers=4, seed=3))
+            write_hf_model(root / "b", "llama", kv_heads=2, layers=4, seed=3),
+            write_hf_moe_model(root / "moe", "qwen3_moe", experts=4))
 
 
 def test_the_walk_covers_every_policy_key():
@@ -82,6 +90,7 @@ def _observe(cfg, model_dir, groups) -> dict:
         view = type("Groups", (), dict(vars(groups)))()  # the groups init_distributed would make
         view.tp, view.pp, view.vpp = p.parallel.tensor_parallel, p.parallel.pipeline_parallel, p.parallel.vpp
         view.sequence_parallel, view.cp = p.parallel.sequence_parallel, p.parallel.context_parallel
+        view.ep, view.etp = p.parallel.expert_parallel, p.parallel.etp
         for spec in ("local", "te"):  # what this machine builds, and what a GPU run asks TE for
             tc = gpt.transformer_config(arch, view, torch.float32, layer_spec=spec,
                                         recompute=p.recompute.megatron_kwargs(),
@@ -90,7 +99,8 @@ def _observe(cfg, model_dir, groups) -> dict:
                 tc.tensor_model_parallel_size, tc.pipeline_model_parallel_size,
                 tc.virtual_pipeline_model_parallel_size, tc.sequence_parallel,
                 tc.context_parallel_size, getattr(tc, "cp_comm_type", None), tc.recompute_granularity,
-                tc.recompute_method, tc.recompute_num_layers, tc.recompute_modules)
+                tc.recompute_method, tc.recompute_num_layers, tc.recompute_modules,
+                tc.expert_model_parallel_size, tc.expert_tensor_parallel_size)
     except Exception as exc:  # noqa: BLE001 - a layout that does not fit is what the key did
         out["dp"] = f"{type(exc).__name__}: {exc}"
     one_rank = type(p.parallel)(use_distributed_optimizer=p.parallel.use_distributed_optimizer,
@@ -106,7 +116,7 @@ def _observe(cfg, model_dir, groups) -> dict:
         return {**out, "layer_spec": f"{type(exc).__name__}: {exc}"}
     local = type(p)(**{**{f: getattr(p, f) for f in ("optim", "micro_batch_tokens", "params_dtype",
                                                        "seed", "reference", "layer_spec",
-                                                       "recompute")}, "parallel": one_rank})
+                                                       "recompute", "moe")}, "parallel": one_rank})
     seen = []
     real = megatron_optimizer.get_megatron_optimizer
     megatron_optimizer.get_megatron_optimizer = lambda config, *a, **k: seen.append(config) or real(config, *a, **k)
@@ -140,6 +150,7 @@ def test_changing_the_key_changes_what_it_drives(key, models, groups):
     base = ["stages=[{name: s, max_response_len: 4, max_steps: 1}]", "model.path=x",
             "policy.optim.lr=0.01", "policy.micro_batch_tokens=200", *given]
     value = value.replace("{other}", str(models[1]))
-    before = _observe(load_run_config(None, base), models[0], groups)
-    after = _observe(load_run_config(None, [*base, f"{key}={value}"]), models[0], groups)
+    model = models[2] if key in MOE_KEYS else models[0]
+    before = _observe(load_run_config(None, base), model, groups)
+    after = _observe(load_run_config(None, [*base, f"{key}={value}"]), model, groups)
     assert before != after, f"{key}={value} changed nothing its probe observes"

@@ -24,10 +24,11 @@ STAGES = [("stage1_12", 12, 10), ("stage2_16", 16, 8), ("stage3_24", 24, 6)]
 
 
 def make_run(root: Path, *, prompts: int = 200, batch: int = 40, group: int = 8, planted: int = 10,
-             hard: int = 10, seed: int = 0, sft_steps: int = 30,
+             hard: int = 10, seed: int = 0, sft_steps: int = 30, moe_layers: int = 2,
              dump_cfg: RolloutDumpConfig | None = None,
              monitor_cfg: WrongLabelConfig | None = None) -> dict:
-    """Write ``root`` as a finished run; returns what was simulated (for independent checks)."""
+    """Write ``root`` as a finished run; returns what was simulated (for independent checks).
+    ``moe_layers``: a Mixture-of-Experts policy's per-layer expert-load metrics (0: a dense one)."""
     rng = random.Random(seed)
     root.mkdir(parents=True, exist_ok=True)
     uids = [f"train-{i}" for i in range(prompts)]
@@ -127,6 +128,12 @@ def make_run(root: Path, *, prompts: int = 200, batch: int = 40, group: int = 8,
                       "actor/entropy": 0.6 - 0.01 * grpo})
             if grpo % 8 == 0:
                 m["eval/accuracy"] = acc * 0.9
+            for i in range(moe_layers):  # a Mixture-of-Experts policy whose load evens out
+                spread = (0.2 + 0.05 * i) / (1 + 0.2 * grpo)
+                m[f"moe/load_max/layer_{i}"] = 0.125 + spread
+                m[f"moe/load_min/layer_{i}"] = max(0.0, 0.125 - spread / 2)
+            if moe_layers:
+                m["moe/aux_loss"], m["moe/z_loss"] = 1.0 + 0.5 / grpo, 2.0 + 1.0 / grpo
             tracker.log(m, step=global_step, stage=stage)
     tracker.close()
     (root / "summary.json").write_text(json.dumps({"per_stage": {"start": {"eval/accuracy": 0.25},

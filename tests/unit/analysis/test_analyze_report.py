@@ -69,3 +69,50 @@ def test_analyze_page_is_self_contained(run):
     for fid, *_ in FIGURES:
         assert f'data-figure="{fid}"' in page
     assert page.count("<tr>") > 20  # summary + wrong-label tables
+
+
+def _with_moe_metrics(src, dst, layers: int):
+    """A copy of run ``src`` whose GRPO rows hold MoE metrics of ``layers`` layers (known values)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    rows = [json.loads(x) for x in (dst / "metrics.jsonl").read_text().splitlines()]
+    with (dst / "metrics.jsonl").open("w") as f:
+        for r in rows:
+            r = {k: v for k, v in r.items() if not k.startswith("moe/")}
+            if "grpo_step" in r:
+                k = r["grpo_step"]
+                r["moe/aux_loss"], r["moe/z_loss"] = 1.0 + 1.0 / k, 0.5 / k
+                for i in range(layers):
+                    r[f"moe/load_max/layer_{i}"] = 0.25 + 0.01 * i + 0.1 / k
+                    r[f"moe/load_min/layer_{i}"] = 0.25 - 0.01 * i - 0.1 / k
+            f.write(json.dumps(r) + "\n")
+    return dst
+
+
+def test_analyze_plots_moe_expert_load(run, tmp_path):
+    from megatron_rl.analysis.figures import expert_load
+    from megatron_rl.analysis.report import summary_rows
+
+    root, *_ = run
+    moe = load_run(_with_moe_metrics(root, tmp_path / "moe", layers=2))
+    fig = expert_load(moe)
+    by_name = {t.name: t for t in fig.data}
+    steps = moe.metrics["grpo_step"].tolist()
+    for i in range(2):
+        assert list(by_name[f"layer {i} max"].y) == pytest.approx([0.25 + 0.01 * i + 0.1 / k for k in steps])
+        assert list(by_name[f"layer {i} min"].y) == pytest.approx([0.25 - 0.01 * i - 0.1 / k for k in steps])
+    assert list(by_name["load-balancing loss (1 = even)"].y) == pytest.approx([1.0 + 1.0 / k for k in steps])
+    row = dict(summary_rows(moe, {"dump_overhead": None}))["expert load, last step"]
+    assert "most loaded expert 26.4% of its layer's assignments (layer 1)" in row, row
+    # a deep model: the extremes and means over its layers
+    deep = load_run(_with_moe_metrics(root, tmp_path / "deep", layers=12))
+    by_name = {t.name: t for t in expert_load(deep).data}
+    assert list(by_name["most loaded expert, worst layer"].y) == pytest.approx([0.36 + 0.1 / k for k in steps])
+    assert list(by_name["least loaded expert, worst layer"].y) == pytest.approx([0.14 - 0.1 / k for k in steps])
+    # a dense run: the figure says why it is empty
+    dense = expert_load(load_run(make_run(tmp_path / "dense_run", moe_layers=0) and tmp_path / "dense_run"))
+    assert not dense.data and "dense model" in dense.layout.annotations[-1].text
+    assert main(["analyze", str(tmp_path / "moe")]) == 0
+    page = (tmp_path / "moe" / "report" / "index.html").read_text()
+    assert 'data-figure="expert_load"' in page and "expert load, last step" in page

@@ -353,3 +353,23 @@ def test_async_config_refuses_what_it_cannot_do():
                   async_=AsyncConfig(max_staleness=1, partial_rollout=True, oversample=0.5)).validate()
     with pytest.raises(ValueError, match="in flight"):
         _scheduler(_cfg(max_staleness=1, partial_rollout=True), FakeEngine())
+
+
+def test_a_partial_sample_and_its_continuation_join_end_to_end_with_each_tokens_version():
+    from megatron_rl.trainer.async_rollout import join_completions
+
+    part = Completion(token_ids=[5, 6, 7], logprobs=[-0.1, -0.2, -0.3], text="abc", finish_reason="abort",
+                      truncated=False, weight_version=3, engine="e0")
+    rest = Completion(token_ids=[8, 9], logprobs=[-0.4, -0.5], text="de", finish_reason="stop", truncated=False,
+                      weight_version=4, engine="e1")
+    c = join_completions(part, rest)
+    assert (c.token_ids, c.logprobs, c.text, c.finish_reason) == ([5, 6, 7, 8, 9], [-0.1, -0.2, -0.3, -0.4, -0.5],
+                                                                  "abcde", "stop")
+    assert c.token_versions() == [3, 3, 3, 4, 4] and c.weight_version == 3 and c.newest_version == 4 and c.partial
+    # one version throughout: no spans; a partial that already spans two versions keeps them
+    same = join_completions(part, Completion(**{**rest.__dict__, "weight_version": 3}))
+    assert same.version_spans == [] and same.token_versions() == [3] * 5
+    spanning = Completion(**{**part.__dict__, "version_spans": [(2, 0, 1), (3, 1, 3)]})
+    assert join_completions(spanning, rest).token_versions() == [2, 3, 3, 4, 4]
+    empty = Completion(**{**part.__dict__, "token_ids": [], "logprobs": [], "text": ""})
+    assert join_completions(empty, rest).token_versions() == [4, 4]
