@@ -39,26 +39,28 @@ TTL_S = 600.0  # a finished request's rows are kept this long for its front end 
 
 
 class _Track:
-    """One request's rows as computed, in order: ``(first position, rows, tokens)`` chunks."""
+    """One request's rows as computed, in order: ``(first position, offset, count, rows, tokens)``
+    chunks, ``rows[offset:offset + count]`` being positions ``first ...`` (a step's arrays are
+    shared by its requests' chunks: nothing is copied per step)."""
 
     __slots__ = ("chunks", "finished_at")
 
     def __init__(self):
-        self.chunks: list[tuple[int, np.ndarray, np.ndarray]] = []
+        self.chunks: list[tuple[int, int, int, np.ndarray, np.ndarray]] = []
         self.finished_at: float | None = None
 
     def assemble(self, layers: int, k: int, dtype) -> tuple[np.ndarray, np.ndarray]:
         """Rows and tokens of positions 0.. up to the first never-computed one; a position
         computed more than once keeps its first row."""
-        end = max((start + len(rows) for start, rows, _ in self.chunks), default=0)
+        end = max((start + count for start, _, count, _, _ in self.chunks), default=0)
         rows = np.zeros((end, layers, k), dtype=dtype)
         tokens = np.full(end, -1, dtype=np.int64)
         have = np.zeros(end, dtype=bool)
-        for start, r, t in self.chunks:
-            stop = start + len(r)
+        for start, off, count, r, t in self.chunks:
+            stop = start + count
             new = ~have[start:stop]
-            rows[start:stop][new] = r[new]
-            tokens[start:stop][new] = t[new]
+            rows[start:stop][new] = r[off:off + count][new]
+            tokens[start:stop][new] = t[off:off + count][new]
             have[start:stop] = True
         filled = int(np.argmin(have)) if not have.all() else end
         return rows[:filled], tokens[:filled]
@@ -127,7 +129,7 @@ class RouteCapture:
         starts = batch.num_computed_tokens_cpu[:len(ids)].astype(np.int64)
         total = int(counts.sum())
         req = np.repeat(np.arange(len(ids)), counts)
-        offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         pos = starts[req] + (np.arange(total) - offsets[req])
         size = self.table.block_size
         table = self.table.get_numpy_array()
@@ -151,15 +153,17 @@ class RouteCapture:
         # blocks).
         self.slot_rows[slots] = rows
         self.slot_tokens[slots] = tokens
-        for rid, count, start, off in zip(step["ids"], step["counts"], step["starts"], step["offsets"]):
-            track = self.tracks.get(rid)
+        tracks = self.tracks
+        for rid, count, start, off in zip(step["ids"], step["counts"].tolist(), step["starts"].tolist(),
+                                          step["offsets"].tolist()):
+            track = tracks.get(rid)
             if track is None:
-                track = self.tracks[rid] = _Track()
+                track = tracks[rid] = _Track()
                 cached = step["cached"].get(rid)
                 if cached is not None:  # it starts on a cached prefix: that KV's rows, from its slots
-                    track.chunks.append((0, self.slot_rows[cached], self.slot_tokens[cached]))
+                    track.chunks.append((0, 0, len(cached), self.slot_rows[cached], self.slot_tokens[cached]))
                     self.cached_rows += len(cached)
-            track.chunks.append((int(start), rows[off:off + count], tokens[off:off + count]))
+            track.chunks.append((start, off, count, rows, tokens))  # (the step's rows, not a copy)
 
     def _finished(self, finished_ids) -> None:
         now = time.monotonic()

@@ -90,13 +90,13 @@ def test_routing_replay_track_keeps_the_first_computation_of_a_position():
     first = _routes(6, 1)
     again = _routes(7, 2)
     t = _Track()
-    t.chunks += [(0, first[:4], np.arange(4)), (4, first[4:5], np.array([4])), (5, first[5:], np.array([5])),
-                 (0, again, np.arange(7))]
+    pos = np.arange(7)
+    t.chunks += [(0, 0, 4, first, pos), (4, 4, 1, first, pos), (5, 5, 1, first, pos), (0, 0, 7, again, pos)]
     rows, tokens = t.assemble(2, 2, np.uint8)
     assert (rows[:6] == first).all() and (rows[6] == again[6]).all() and (tokens == np.arange(7)).all()
     # a gap (a position never computed) ends what can be returned
     t = _Track()
-    t.chunks += [(0, first[:2], np.arange(2)), (3, first[3:], np.arange(3, 6))]
+    t.chunks += [(0, 0, 2, first, pos), (3, 3, 3, first, pos)]
     rows, _ = t.assemble(2, 2, np.uint8)
     assert len(rows) == 2
 
