@@ -99,9 +99,6 @@ class ParallelGroups:
     # expert_owners[pp_rank][ep_rank]: the global rank holding that stage's experts of that EP rank
     # at expert-TP rank 0 of expert-DP replica 0 (where an export gathers them).
     expert_owners: tuple[tuple[int, ...], ...] = ((0,),)
-    # stage_owners[pp_rank]: the global rank of that stage's TP rank 0 in data- and context-parallel
-    # replica 0 (where an export gathers the stage's other tensors); the same on every rank.
-    stage_owners: tuple[int, ...] = (0,)
 
     @property
     def is_first_stage(self) -> bool:
@@ -110,6 +107,18 @@ class ParallelGroups:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
+
+    def global_rank(self, *, pp: int, tp: int = 0, cp: int = 0, dp: int = 0) -> int:
+        """The global rank at these coordinates of this layout (Megatron's rank order
+        ``tp-cp-ep-dp-pp``: tensor-parallel ranks are neighbours, pipeline stages the outermost
+        blocks; :func:`init_distributed` checks every rank's own coordinates against it). Any rank
+        can name any other without communicating: e.g. each stage's TP-rank-0 of replica 0, the rank
+        that sends that stage's weights (``models.hf_export.export_plan``)."""
+        for name, value, size in (("pp", pp, self.pp), ("tp", tp, self.tp), ("cp", cp, self.cp),
+                                  ("dp", dp, self.dp)):
+            if not 0 <= value < size:
+                raise ValueError(f"{name} rank {value} is outside this layout's {name} size {size}")
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
     def barrier(self) -> None:
         """Wait for every rank of the world (a no-op in a one-rank world)."""
@@ -267,7 +276,7 @@ def init_distributed(cfg: ParallelConfig, timeout_s: float | None = None,
     _GENERATION["layout"] = dict(zip(("tensor_parallel", "pipeline_parallel", "virtual_pipeline",
                                       "context_parallel", "expert_parallel",
                                       "expert_tensor_parallel"), layout))
-    return ParallelGroups(
+    groups = ParallelGroups(
         world_size=world_size, rank=world_rank,
         tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel, dp=dp, vpp=cfg.vpp,
         tp_rank=ps.get_tensor_model_parallel_rank(),
@@ -288,29 +297,26 @@ def init_distributed(cfg: ParallelConfig, timeout_s: float | None = None,
         cp_group=ps.get_context_parallel_group(),
         **_expert_groups(cfg, world_size),
     )
+    _check_rank_order(groups)
+    return groups
 
 
 def _expert_groups(cfg: ParallelConfig, world_size: int) -> dict:
-    """The expert grid's sizes, this rank's place in it, its groups, and where each stage's tensors
-    and each (stage, EP rank)'s experts are gathered (one all-gather of every rank's coordinates)."""
+    """The expert grid's sizes, this rank's place in it, its groups, and where each (stage, EP rank)'s
+    experts are gathered (one all-gather of every rank's coordinates)."""
     from megatron.core import parallel_state as ps
 
     ep, etp, pp = cfg.expert_parallel, cfg.etp, cfg.pipeline_parallel
     place = (ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank(),
-             ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank(),
-             ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-             and ps.get_context_parallel_rank() == 0)
+             ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank())
     places = [place]
     if world_size > 1:
         places = [None] * world_size
         dist.all_gather_object(places, place)
     owners = [[-1] * ep for _ in range(pp)]
-    stages = [-1] * pp
-    for rank, (pp_rank, ep_rank, etp_rank, edp_rank, stage_first) in enumerate(places):
+    for rank, (pp_rank, ep_rank, etp_rank, edp_rank) in enumerate(places):
         if etp_rank == 0 and edp_rank == 0:
             owners[pp_rank][ep_rank] = rank
-        if stage_first:
-            stages[pp_rank] = rank
     etp_group = ps.get_expert_tensor_parallel_group()
     return dict(
         ep=ep, ep_rank=place[1], etp=etp, etp_rank=place[2],
@@ -319,8 +325,18 @@ def _expert_groups(cfg: ParallelConfig, world_size: int) -> dict:
         edp_group=ps.get_expert_data_parallel_group(),
         etp_ranks=tuple(dist.get_process_group_ranks(etp_group)),
         expert_owners=tuple(tuple(row) for row in owners),
-        stage_owners=tuple(stages),
     )
+
+
+def _check_rank_order(g: ParallelGroups) -> None:
+    """This rank's coordinates and its pipeline's ranks agree with :meth:`ParallelGroups.global_rank`
+    (a Megatron whose rank order differs fails here, not in a sync that sends from wrong ranks)."""
+    mine = g.global_rank(pp=g.pp_rank, tp=g.tp_rank, cp=g.cp_rank, dp=g.dp_rank)
+    stages = tuple(g.global_rank(pp=p, tp=g.tp_rank, cp=g.cp_rank, dp=g.dp_rank) for p in range(g.pp))
+    if mine != g.rank or stages != g.pp_ranks:
+        raise RuntimeError(f"Megatron's rank order is not tp-cp-dp-pp: rank {g.rank} (tp {g.tp_rank}, cp "
+                           f"{g.cp_rank}, dp {g.dp_rank}, pp {g.pp_rank}) computes as {mine}, its "
+                           f"pipeline {g.pp_ranks} as {stages}")
 
 
 def chunk_ends(groups: ParallelGroups, vp_stage: int | None) -> tuple[bool, bool]:

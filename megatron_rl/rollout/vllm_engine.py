@@ -19,7 +19,7 @@ import torch
 
 from megatron_rl.rollout.base import Completion, EngineTimeout, RolloutEngine, SamplingSpec
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.reload import reload_in_place
+from megatron_rl.rollout.reload import RELOAD_EXTENSION, reload_in_place, serialise
 from megatron_rl.rollout.routes import (ROUTES_EXTENSION, RouteInfo, RoutesError, aborted_or, fit_rows,
                                         pick_rows, resolve_source, select_layers)
 
@@ -38,19 +38,40 @@ def cpu_thread_binding(tensor_parallel_size: int) -> str:
     return "|".join(",".join(str(c) for c in cores[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:]))
 
 
+def in_trainer_world() -> bool:
+    """This process is one rank of a multi-rank torch.distributed world (a torchrun trainer)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 class VLLMEngine(RolloutEngine):
+    """vLLM's ``LLM`` driven from the trainer's process.
+
+    Its engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) unless the process is
+    a rank of a multi-rank trainer: vLLM would then take the trainer's torch.distributed world as its
+    own and build its groups over every trainer rank (``new_group`` is collective: it waits for the
+    other ranks forever). There the core runs in a process of its own (spawned: a forked one would
+    inherit the trainer's world), and new weights reach it serialised (:meth:`reload`)."""
+
     def __init__(self, model_path: str, cfg: RolloutConfig, *, seed: int = 0, max_model_len: int | None = None,
                  name: str = "engine0", return_routes: bool = False):
         """``return_routes``: every completion carries its MoE routes (``Completion.routes``; see
         :mod:`megatron_rl.rollout.routes`)."""
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.separate_core = in_trainer_world()
+        if self.separate_core:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        else:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
         from vllm import envs as vllm_envs
+
+        vllm_envs.disable_envs_cache()  # an engine started before in this process cached them
 
         if (not torch.cuda.is_available() and cfg.tensor_parallel_size > 1
                 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto"):
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(cfg.tensor_parallel_size)
-            vllm_envs.disable_envs_cache()  # an engine started before in this process cached it
 
         self.cfg = cfg
         self.name = name
@@ -69,13 +90,19 @@ class VLLMEngine(RolloutEngine):
         )
         if cfg.kv_cache_bytes:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
+        cfg.check_engine(model_path, gpus=torch.cuda.is_available())
+        if cfg.expert_parallel:
+            kwargs["enable_expert_parallel"] = True
+        # vLLM takes one worker extension: the reload one carries the routes' methods too.
+        if self.separate_core:  # the weights arrive by a method name (a function would need pickling)
+            kwargs["worker_extension_cls"] = RELOAD_EXTENSION
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             # Colocated runs free the KV cache (and offload weights) while the trainer works.
             kwargs["enable_sleep_mode"] = True
         source = resolve_source(cfg.routes_source, torch.cuda.is_available()) if return_routes else None
         if source is not None:
-            kwargs["worker_extension_cls"] = ROUTES_EXTENSION
+            kwargs.setdefault("worker_extension_cls", ROUTES_EXTENSION)
             kwargs["enable_return_routed_experts"] = source == "native"
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
@@ -208,8 +235,12 @@ class VLLMEngine(RolloutEngine):
 
     def reload(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """vLLM's in-place layerwise reload of HF-named tensors in every worker, tied layers rebuilt
-        (:func:`megatron_rl.rollout.reload.reload_in_place`; call on the engine's own thread)."""
-        self.llm.collective_rpc(reload_in_place, args=(tensors,))
+        (:func:`megatron_rl.rollout.reload.reload_in_place`; call on the engine's own thread). With
+        the core in its own process the tensors travel as one serialised blob."""
+        if self.separate_core:
+            self.llm.collective_rpc("mrl_reload", args=(serialise(tensors),))
+        else:
+            self.llm.collective_rpc(reload_in_place, args=(tensors,))
 
     def reset_prefix_cache(self) -> None:
         self._call(self.llm.reset_prefix_cache)

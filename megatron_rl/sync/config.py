@@ -11,6 +11,9 @@ from megatron_rl.sync.registry import TRANSPORTS
 # The keys of a transfer to vLLM servers; the in-process hand-over has none of these (it cannot be
 # incomplete, so it is never retried).
 TRANSFER_ONLY = ("bucket_bytes", "timeout_s", "master_addr", "retries")
+SENDERS = ("owners", "gather")
+# The transports whose engines receive from one trainer rank only (vLLM's).
+ONE_SENDER = ("nccl", "ipc")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -46,11 +49,25 @@ class SyncConfig(ConfigBase):
     # mid-transfer, a checksum differed), sync again with a fresh export up to this many times.
     # Servers only (the in-process hand-over cannot be incomplete).
     retries: int = ranged(1, ge=0)
+    # Which trainer ranks send the weights. "owners": each pipeline stage's tensor-parallel rank 0
+    # (of data/context-parallel replica 0) streams its own layers, gathered only over its TP group,
+    # all stages at once; no rank gathers the whole model (gloo and inprocess; with one pipeline
+    # stage it is rank 0 alone). "gather": rank 0 gathers the whole model and sends it alone (what
+    # vLLM's nccl and ipc engines take: they receive from one trainer rank, so with pipeline
+    # parallelism they need "gather").
+    senders: str = "owners"
+
+    def gather_rank(self) -> int | None:
+        """The trainer rank the export is gathered to (``senders="gather"``: rank 0), or None: each
+        owner sends its own (``models.hf_export.export_plan``'s ``to_rank``)."""
+        return 0 if self.senders == "gather" else None
 
     def validate(self) -> None:
         super().validate()
         if self.transport not in TRANSPORTS:
             self.fail("transport", f"must be one of {sorted(TRANSPORTS)}, got {self.transport!r}")
+        if self.senders not in SENDERS:
+            self.fail("senders", f"must be one of {list(SENDERS)}, got {self.senders!r}")
         if not self.master_addr:
             self.fail("master_addr", "must be a host name or address")
         if self.transport == "inprocess":  # the tensors are handed over: no buckets, store, waits or retries

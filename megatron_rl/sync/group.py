@@ -2,8 +2,10 @@
 
 Choice: a plain torch.distributed ``TCPStore`` + ``ProcessGroupGloo`` object built directly (no
 ``init_process_group``), so it never touches the trainer's default group nor vLLM's own groups
-inside the engine workers. The sender is rank 0 and hosts the store on a free port; engine workers
-are ranks 1..N. A re-formed group gets a fresh store and port.
+inside the engine workers. The driver hosts the store on a free port. Each sender has its own group
+over that one store (:func:`sender_prefix`): the sender is rank 0 of it, the engine workers ranks
+1..N, so a sender's broadcasts reach the workers and no other sender (gloo relays a broadcast through
+its members). A re-formed group gets a fresh store and port.
 """
 
 from __future__ import annotations
@@ -18,12 +20,20 @@ import torch.distributed as dist
 SENDER = 0
 
 
+def sender_prefix(index: int, senders: int) -> str:
+    """The store prefix of sender ``index``'s group (none with one sender: the group of old)."""
+    return "" if senders == 1 else f"sender{index}/"
+
+
 def make_group(addr: str, port: int, rank: int, world_size: int, timeout_s: float,
-               store: dist.Store | None = None) -> dist.ProcessGroupGloo:
-    """Join (or, for rank 0 with ``store`` given, host) the gloo group; every op times out."""
+               store: dist.Store | None = None, prefix: str = "") -> dist.ProcessGroupGloo:
+    """Join (or, with the host's ``store`` given, host) the gloo group named by ``prefix`` in the
+    store; every op times out."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+    if prefix:
+        store = dist.PrefixStore(prefix, store)
     return dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
 

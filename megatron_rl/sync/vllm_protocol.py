@@ -28,6 +28,16 @@ rejoin) runs while vLLM's /start_weight_update goes out to the standing group (u
 the check finds an engine to add); the version rides on /finish_weight_update (vLLM's finish route
 takes it), which the gloo backend sends as soon as every worker has received everything; then each
 engine's /reset_prefix_cache runs beside its version check (/weight_info).
+
+Several senders (the plan names each tensor's trainer rank: every pipeline stage streams its own,
+``sync.senders=owners``; backends with a ``host``, i.e. gloo): the driver (global rank 0) drives the
+routes and decides each round; over the trainer's process group it announces the round to every rank
+(whether it sends, and, when the transfer group is (re-)formed, the store the other senders join:
+:class:`~megatron_rl.sync.base.SenderRound`; while it waits for restarted engines, a "wait" every
+minute, so no rank's collective times out), every sender streams its own buckets on its group, and
+the driver collects each sender's checksums and bytes, which it checks as its own. The driver holds
+only its own tensors then: no host copy, so no revival or re-send of a round from it (a lost fleet
+waits for the trainer's next sync, which exports again).
 """
 
 from __future__ import annotations
@@ -46,12 +56,15 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 
 from megatron_rl.rollout.base import UNKNOWN_VERSION, EngineError, RolloutEngine
 from megatron_rl.rollout.fleet import EngineState
-from megatron_rl.sync.base import (Metadata, NamedTensors, SyncError, SyncMetrics, SyncMismatch,
-                                   SyncTimeout, WeightSync, drain)
+from megatron_rl.sync.base import (DRIVER, NamedTensors, SenderRound, SendPlan, SyncError, SyncMetrics,
+                                   SyncMismatch, SyncTimeout, WeightSync, drain)
 from megatron_rl.sync import probe
 from megatron_rl.sync.config import SyncConfig
 
 log = logging.getLogger("megatron_rl")
+# Seconds between the driver's "wait" announcements while it waits for restarted engines (each is a
+# collective the other trainer ranks block in: well under any torch.distributed timeout).
+WAIT_CHUNK_S = 60.0
 
 
 class EngineCallFailed(SyncError):
@@ -153,15 +166,25 @@ class FleetClient:
 
 
 class StreamSource(WeightSource):
-    """vLLM's ``WeightSource`` over our export: the metadata is fixed, the stream is set per sync (the
-    Megatron export is a collective generator that can be walked once)."""
+    """vLLM's ``WeightSource`` over our export: the metadata is the whole model's (every rank), each
+    item's sender is known (:meth:`sender_index`), the stream is set per sync (the Megatron export is
+    a collective generator that can be walked once) and yields this rank's items only
+    (:meth:`held_names`)."""
 
-    def __init__(self, metadata: Metadata):
-        self._meta = [ParamMeta(name, dtype, tuple(shape)) for name, dtype, shape in metadata]
+    def __init__(self, plan: SendPlan, rank: int):
+        self._meta = [ParamMeta(name, dtype, tuple(shape)) for name, dtype, shape, _ in plan.items]
+        self._senders = plan.sender_index()
+        self._held = {name for name, _, _, r in plan.items if r == rank}
         self.stream: NamedTensors | None = None
 
     def metadata(self) -> list[ParamMeta]:
         return self._meta
+
+    def sender_index(self) -> list[int]:
+        return self._senders
+
+    def held_names(self):
+        return self._held
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         stream, self.stream = self.stream, None
@@ -172,12 +195,18 @@ class StreamSource(WeightSource):
 
 @dataclasses.dataclass(frozen=True)
 class ServerTransport:
-    """What differs between the backends: the trainer-side init info (``rank`` 0 sends)."""
+    """What differs between the backends: the trainer-side init info (``rank`` 0 drives), and for a
+    backend that takes several senders the store the driver hosts for them."""
 
     name: str
-    init_info: Callable[[SyncConfig, int, int], Any]  # (config, world size, rank) -> TrainerInitInfo
+    # (config, world size, rank, **several-sender keys: senders, sender_index, port, store) -> TrainerInitInfo
+    init_info: Callable[..., Any]
     # Wrap the export so the backend's source suits it (ipc: full tensors on every rank).
     wrap: Callable[[NamedTensors, list[ParamMeta]], NamedTensors] = lambda named, meta: named
+    # (config, world size) -> the driver's store (``.port``) for several senders; None: one sender only.
+    host: Callable[[SyncConfig, int], Any] | None = None
+    # The export on every rank names every item ((name, None) where the rank does not send it).
+    placeholders: bool = False
     # The sending rank alone can load its copy of the last weights into restarted engines (ipc
     # needs every trainer rank: a lost fleet then waits for the next sync).
     revivable: bool = True
@@ -192,20 +221,33 @@ def check_reported_version(engine, version: int) -> None:
 
 
 class ServerWeightSync(WeightSync):
-    """Sync a fleet of vLLM servers (``fleet`` on the sending rank; None on the others)."""
+    """Sync a fleet of vLLM servers (``fleet`` on the driver, global rank 0; None on the others),
+    each tensor from the trainer rank that ``plan`` names."""
 
-    def __init__(self, config: SyncConfig, fleet, *, sender: bool, metadata: Metadata | None,
-                 transport: ServerTransport):
+    def __init__(self, config: SyncConfig, fleet, *, rank: int, plan: SendPlan | None,
+                 transport: ServerTransport, group=None):
         super().__init__(config)
-        if metadata is None:
+        if plan is None:
             raise ValueError(f"sync.transport={config.transport!r} needs the export's metadata "
-                             "(names, dtypes, shapes) up front")
-        if sender and fleet is None:
-            raise ValueError("the sending rank needs the fleet of engines")
+                             "(names, dtypes, shapes, senders) up front")
+        driver = rank == DRIVER
+        if driver and fleet is None:
+            raise ValueError("the driver (rank 0) needs the fleet of engines")
+        if len(plan.senders) > 1 and transport.host is None:
+            raise ValueError(f"sync.transport={config.transport!r} sends from one trainer rank (vLLM's "
+                             f"{transport.name} engine), but the export plan has {len(plan.senders)} senders "
+                             f"(ranks {list(plan.senders)}): set sync.senders=gather (rank 0 gathers the "
+                             f"model and sends it) or use sync.transport=gloo")
         self.fleet = fleet
-        self.sender = sender
+        self.rank = rank
+        self.driver = driver
+        self.plan = plan
+        self.sender_index = plan.index(rank)
+        self.several = len(plan.senders) > 1
+        self.round = SenderRound(group) if self.several else None
         self.transport = transport
-        self.source = StreamSource(metadata)
+        self.source = StreamSource(plan, rank)
+        self.placeholders = transport.placeholders
         # Checks each engine must pass after loading, in order: fn(engine, version) raising
         # SyncError; then the probe (self.probe, when the trainer set one).
         self.checks: list[Callable[[RolloutEngine, int], None]] = [check_reported_version]
@@ -214,25 +256,31 @@ class ServerWeightSync(WeightSync):
         self._members: list[str] = []
         # one round at a time: the trainer's syncs and the fleet's revivals (another thread)
         self._rounds = threading.RLock()
-        # (version, host copy of the tensors, probe reference) of the last weights sent
+        # (version, host copy of the tensors, probe reference) of the last weights sent (one sender)
         self._last: tuple[int, list, object] | None = None
-        if sender and transport.revivable and hasattr(fleet, "set_reviver"):
+        if driver and transport.revivable and not self.several and hasattr(fleet, "set_reviver"):
             fleet.set_reviver(self.revive)
 
     # ------------------------------------------------------------------------ group lifecycle
     def connect(self) -> None:
+        """Form the transfer group now (one sender); with several the first sync forms it (the other
+        senders learn of it in the round's announcement)."""
         if self._engine is not None:
             return
-        if not self.sender:
-            info = self.transport.init_info(self.config, 1, 1)  # rank != 0: no rendezvous
-            self._engine = WeightTransferTrainerFactory.trainer_init(info, client=None, source=self.source)
+        if not self.driver:
+            if self.sender_index is None or not self.several:  # sends nothing: walks its export
+                info = self.transport.init_info(self.config, 1, self.rank, sender_index=None)
+                self._engine = WeightTransferTrainerFactory.trainer_init(info, client=None, source=self.source)
             return
-        self._form(self.fleet.sync_targets())
+        if not self.several:
+            self._form(self.fleet.sync_targets())
 
-    def _form(self, members: list) -> None:
+    def _form(self, members: list, store=None) -> None:
         self._teardown()
         client = FleetClient(members, self.config.timeout_s)
-        info = self.transport.init_info(self.config, client.world_size, 0)
+        extra = {} if not self.several else dict(senders=len(self.plan.senders), sender_index=self.sender_index,
+                                                 store=store, port=store.port)
+        info = self.transport.init_info(self.config, client.world_size, DRIVER, **extra)
         try:
             self._engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=self.source)
         except BaseException:
@@ -241,15 +289,25 @@ class ServerWeightSync(WeightSync):
         self._client = client
         self._members = [e.name for e in members]
 
-    def _teardown(self) -> None:
+    def _join(self, form: dict) -> None:
+        """Another sender: (re-)join its group at the driver's store (``form``: port, world size)."""
+        self._drop_engine()
+        info = self.transport.init_info(self.config, form["world"], self.rank, senders=len(self.plan.senders),
+                                        sender_index=self.sender_index, port=form["port"])
+        self._engine = WeightTransferTrainerFactory.trainer_init(info, client=None, source=self.source)
+
+    def _drop_engine(self) -> None:
         engine, self._engine = self._engine, None
-        client, self._client = self._client, None
-        self._members = []
         if engine is not None:
             try:
                 engine.shutdown()
             except Exception:  # noqa: BLE001 - a broken group may refuse; it is dropped anyway
                 pass
+
+    def _teardown(self) -> None:
+        self._drop_engine()
+        client, self._client = self._client, None
+        self._members = []
         if client is not None:
             client.wait_idle(self.config.timeout_s)
             try:
@@ -259,14 +317,14 @@ class ServerWeightSync(WeightSync):
             client.close()
 
     def close(self) -> None:
-        if self.sender:
+        if self.driver:
             if getattr(self.fleet, "reviver", None) == self.revive:
                 self.fleet.set_reviver(None)
             with self._rounds:
                 self._teardown()
                 self._last = None
         else:
-            self._engine = None
+            self._drop_engine()
 
     def revive(self) -> None:
         """The fleet's reviver (no engine is up, some answer again): the last weights sent, loaded
@@ -285,13 +343,11 @@ class ServerWeightSync(WeightSync):
 
     # ------------------------------------------------------------------------------- one sync
     def sync(self, named_tensors: NamedTensors, version: int) -> SyncMetrics:
-        cfg = self.config
-        if not self.sender:
-            self.connect()
-            self.source.stream = self.transport.wrap(named_tensors, self.source.metadata())
-            self._engine.send_weights()
-            return SyncMetrics(version=version)
+        if not self.driver:
+            return self._follow(named_tensors, version)
         with self._rounds:
+            if self.several:  # no host copy: the other senders' tensors never pass through here
+                return self._round(named_tensors, version, self.probe)
             kept: list = []
             try:
                 return self._round(_keeping(named_tensors, kept), version, self.probe)
@@ -338,11 +394,7 @@ class ServerWeightSync(WeightSync):
         t0 = time.perf_counter()
         self.fleet.hold()  # nothing may compute while a round's start takes the weights apart
         started, rejoining = self._check_and_start()
-        if not self.fleet.sync_targets() and hasattr(self.fleet, "wait_for_engines"):  # all lost: restarts
-            timeout = self.fleet.cfg.start_timeout_s
-            log.warning("weight sync v%d: no engine to load it (%s): waiting up to rollout.start_timeout_s"
-                        "=%gs for restarts", version, self.fleet.states(), timeout)
-            self.fleet.wait_for_engines(timeout)
+        self._wait_for_restarts(version)
         self.fleet.hold()  # the engines the check found rejoining too
         phases = {"start": time.perf_counter() - t0}
         members = self.fleet.sync_targets()
@@ -350,14 +402,31 @@ class ServerWeightSync(WeightSync):
             self._undo_start()  # an engine joins (or left): the round starts afresh
             started = False
         if not members:
+            if self.several:
+                self.round.announce({"send": False, "form": None})
+                self.round.collect(None)
             drain(named_tensors, version)
             raise SyncError(f"weight sync v{version}: no engine to load it; engines: {self.fleet.states()}")
+        forming = rejoining or [e.name for e in members] != self._members or self._engine is None
         stream = iter(self.transport.wrap(named_tensors, self.source.metadata()))
         failures: dict[str, str] = {}
+        store, hosting = None, None
+        if self.several:  # the other senders learn of the round (and of a new group: its store)
+            world = 1 + sum(e.workers for e in members)
+            try:
+                if forming:
+                    self._teardown()
+                    store = self.transport.host(cfg, world)
+            except Exception as exc:  # noqa: BLE001 - the round is off; raised below, after the announcement
+                hosting = exc
+            self.round.announce({"send": hosting is None,
+                                 "form": None if store is None else {"port": store.port, "world": world}})
         try:
-            if rejoining or [e.name for e in members] != self._members or self._engine is None:
+            if hosting is not None:
+                raise hosting
+            if forming:
                 t1 = time.perf_counter()
-                self._form(members)
+                self._form(members, store)
                 phases["form"] = time.perf_counter() - t1
             self._client.begin(version, started=started)  # the finish route tags the version
             self.source.stream = stream
@@ -369,17 +438,21 @@ class ServerWeightSync(WeightSync):
             for _ in stream:  # the export is collective: walk it to the end whatever happened
                 pass
         report = getattr(self._engine, "report", None) if not failures else None
+        if self.several:
+            report, failures = self._merge(report, failures, members)
         mismatched = self._compare(report, members) if (cfg.verify and report is not None) else {}
         failures.update(mismatched)
-        metrics = SyncMetrics(version=version, verified=cfg.verify)
+        metrics = SyncMetrics(version=version, verified=cfg.verify, senders=len(self.plan.senders))
         if report is not None:
             metrics.bytes, metrics.tensors, metrics.buckets = report.bytes, report.tensors, report.buckets
             metrics.verify_seconds = report.hash_seconds
+            metrics.sender_bytes = dict(getattr(report, "sender_bytes", {}) or {DRIVER: report.bytes})
             for k, v in (getattr(report, "phases", {}) or {}).items():
                 phases[k] = phases.get(k, 0.0) + v
         else:
-            metrics.bytes = sum(m.dtype.itemsize * _numel(m.shape) for m in self.source.metadata())
-            metrics.tensors = len(self.source.metadata())
+            metrics.bytes = self.plan.nbytes()
+            metrics.tensors = len(self.plan.items)
+            metrics.sender_bytes = {r: self.plan.nbytes(r) for r in self.plan.senders}
         probed: list[dict] = []
 
         def settle(engine) -> None:  # per engine, all engines at once (each is a few HTTP calls)
@@ -416,6 +489,81 @@ class ServerWeightSync(WeightSync):
             log.warning("weight sync v%d: %d of %d engines failed: %s", version, len(failures), len(members),
                         failures)
         return metrics
+
+    def _follow(self, named_tensors: NamedTensors, version: int) -> SyncMetrics:
+        """A rank other than the driver. One sender: walk the export (rank 0 sends it all). Several:
+        take the driver's announcement, (re-)join this sender's group when told, stream this rank's
+        buckets, and report them (or the failure) to the driver."""
+        if not self.several:
+            self.connect()
+            self.source.stream = self.transport.wrap(named_tensors, self.source.metadata())
+            self._engine.send_weights()
+            return SyncMetrics(version=version)
+        plan = self.round.announce(None)
+        while plan.get("wait"):  # the driver waits for restarted engines
+            plan = self.round.announce(None)
+        stream = iter(named_tensors)
+        outcome = None
+        try:
+            if self.sender_index is not None and plan["send"]:
+                if plan["form"] is not None or self._engine is None:
+                    if plan["form"] is None:
+                        raise SyncError("no transfer group to send on (it failed to form)")
+                    self._join(plan["form"])
+                self.source.stream = stream
+                self._engine.send_weights()
+                r = self._engine.report
+                outcome = {"rank": self.rank, "index": self.sender_index, "report": r}
+        except Exception as exc:  # noqa: BLE001 - the driver attributes it
+            outcome = {"rank": self.rank, "index": self.sender_index, "error": f"{type(exc).__name__}: {exc}"}
+            self._drop_engine()  # the group is unusable; the workers waiting on it fail at once
+        finally:
+            for _ in stream:  # the export is collective: walk it to the end whatever happened
+                pass
+        self.round.collect(outcome)
+        return SyncMetrics(version=version)
+
+    def _merge(self, mine, failures: dict[str, str], members: list):
+        """The driver: every sender's report (checksums and names in sender order, bytes per rank)
+        as one, or the round's failures when a sender failed."""
+        outcomes = [o for o in self.round.collect(None) if o is not None]
+        errors = {o["rank"]: o["error"] for o in outcomes if "error" in o}
+        if errors and not failures:  # the workers waited on that sender: the round is cut
+            cause = "; ".join(f"sender rank {r}: {e}" for r, e in sorted(errors.items()))
+            failures = {e.name: f"the round was cut ({cause})" for e in members}
+            self._teardown()
+        if failures or mine is None:
+            return None, failures
+        parts = sorted([(self.sender_index, DRIVER, mine)] +
+                       [(o["index"], o["rank"], o["report"]) for o in outcomes if "report" in o],
+                       key=lambda p: p[0])
+        merged = dataclasses.replace(mine, bucket_names=[], sent=[], received={}, buckets=0, tensors=0,
+                                     bytes=0, hash_seconds=0.0, sender_bytes={})
+        for _, rank, part in parts:
+            merged.bucket_names += part.bucket_names
+            merged.sent += part.sent
+            for r, sums in part.received.items():
+                merged.received.setdefault(r, []).extend(sums)
+            merged.buckets += part.buckets
+            merged.tensors += part.tensors
+            merged.bytes += part.bytes
+            merged.hash_seconds = max(merged.hash_seconds, part.hash_seconds)  # in parallel
+            merged.sender_bytes[rank] = part.bytes
+        return merged, failures
+
+    def _wait_for_restarts(self, version: int) -> None:
+        """No engine to load (all lost): wait up to ``rollout.start_timeout_s`` for their launchers'
+        restarts; with several senders the others hear "wait" every minute meanwhile."""
+        if self.fleet.sync_targets() or not hasattr(self.fleet, "wait_for_engines"):
+            return
+        timeout = self.fleet.cfg.start_timeout_s
+        log.warning("weight sync v%d: no engine to load it (%s): waiting up to rollout.start_timeout_s"
+                    "=%gs for restarts", version, self.fleet.states(), timeout)
+        deadline = time.monotonic() + timeout
+        while not self.fleet.sync_targets() and time.monotonic() < deadline:
+            self.fleet.wait_for_engines(min(WAIT_CHUNK_S, max(0.0, deadline - time.monotonic())))
+            if self.several:
+                self.round.announce({"wait": True})
 
     def _check_and_start(self) -> tuple[bool, list]:
         """The fleet's check before a sync (:meth:`EngineFleet.probe`: DOWN engines that answer
@@ -531,13 +679,6 @@ def _keeping(named: NamedTensors, kept: list) -> NamedTensors:
     for name, tensor in named:
         kept.append((name, tensor.detach().to("cpu", copy=True)))
         yield name, tensor
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _timed_out(failures: dict[str, str]) -> bool:

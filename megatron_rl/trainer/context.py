@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from megatron_rl.data import PromptRecord
+    from megatron_rl.models.hf_export import ExportItem
     from megatron_rl.models.policy import MegatronPolicy
     from megatron_rl.models.reference import ReferencePolicy
     from megatron_rl.rewards import RewardManager
@@ -57,8 +58,10 @@ class Context:
     eval_records: list[PromptRecord] = field(default_factory=list)
     # Rollout dumps, W&B sample table and live wrong-label list of every GRPO step.
     observer: StepObserver | None = None
-    # Every rank (the export is collective; the sending rank moves the data).
+    # Every rank (the export is collective; each sending rank moves its own tensors).
     weight_sync: WeightSync | None = None
+    # Every HF tensor a sync sends, with the trainer rank that sends it (sync.senders).
+    export_plan: list[ExportItem] = field(default_factory=list)
     # This node's engines, when this trainer process started them (colocated, no node launcher).
     launcher: EngineLauncher | None = None
     # Colocated on GPUs: the engines free their KV cache (and offload weights) while the policy trains.
@@ -160,8 +163,8 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
         if ctx.tracker.wandb_run_id and run_state.get("wandb_run_id") != ctx.tracker.wandb_run_id:
             run.write_run_state({**run_state, "wandb_run_id": ctx.tracker.wandb_run_id})
         ctx.observer = build_observer(cfg, run.root, ctx.tracker)
-    ctx.weight_sync = build_weight_sync(cfg.sync, ctx.engine, sender=ctx.is_driver,
-                                        metadata=policy.export_hf_metadata())
+    ctx.export_plan = policy.export_plan(to_rank=cfg.sync.gather_rank())
+    ctx.weight_sync = build_weight_sync(cfg.sync, ctx.engine, rank=groups.rank, metadata=ctx.export_plan)
     ctx.weight_sync.connect()
     return ctx
 

@@ -29,7 +29,8 @@ def sync_weights(ctx: Context, version: int) -> dict:
             ctx.weight_sync.set_probe(reference)
     seconds = 0.0
     for attempt in range(ctx.cfg.sync.retries + 1):
-        m = ctx.weight_sync.sync(ctx.policy.export_hf_weights(), version)
+        stream = ctx.policy.export_owned(ctx.export_plan, placeholders=ctx.weight_sync.placeholders)
+        m = ctx.weight_sync.sync(stream, version)
         seconds += m.seconds
         if ctx.broadcast(m.complete if ctx.is_driver else None):
             break

@@ -21,7 +21,7 @@ from megatron_rl.demo.config import SyntheticConfig, TinySpec
 from megatron_rl.models.config import PolicyConfig
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.sync.config import SyncConfig
+from megatron_rl.sync.config import ONE_SENDER, SyncConfig
 from megatron_rl.tracking.config import TrackingConfig
 from megatron_rl.trainer.config import DEFAULT_RUN_DIR, EvalConfig, SFTConfig, StageConfig, TrainerConfig
 
@@ -87,6 +87,12 @@ def validate_cross(cfg: RunConfig) -> None:
     if not servers and cfg.sync.transport != "inprocess":
         raise ConfigError("sync.transport", f"'{cfg.sync.transport}' drives vLLM servers: it needs "
                                             "rollout.engine='vllm_server' (the in-process engine uses 'inprocess')")
+    pp = cfg.policy.parallel.pipeline_parallel
+    if cfg.sync.transport in ONE_SENDER and cfg.sync.senders == "owners" and pp > 1:
+        raise ConfigError("sync.senders", f"'owners' streams from each of the pipeline_parallel={pp} stages, "
+                                          f"but vLLM's {cfg.sync.transport} engine receives from one trainer "
+                                          f"rank: set sync.senders=gather (rank 0 gathers the model and "
+                                          f"sends it), or use sync.transport=gloo")
     if cfg.rollout.async_.dynamic_sampling and not cfg.algo.filter_zero_variance_groups:
         raise ConfigError("rollout.async.dynamic_sampling", "keeps drawing until the step has groups with reward "
                                                             "variance: it needs algo.filter_zero_variance_groups=true")

@@ -1,7 +1,8 @@
 """End to end, a Mixture-of-Experts policy: `megatron-rl train` on the demo config with a tiny
 Qwen3-MoE (`model.tiny.arch=qwen3_moe`: 2 layers, 4 experts, top 2), one process, no cold start, one
 GRPO step: real Megatron-Core (the MoE layers on gloo), real vLLM-CPU serving the MoE model, the
-in-process weight sync (its probe off: see MOE_STEP). The step's metrics hold the load-balancing loss and
+in-process weight sync verified by its probe (vLLM-CPU's reloaded experts repacked:
+rollout/reload.py). The step's metrics hold the load-balancing loss and
 every layer's expert load, and the run report plots them."""
 
 from __future__ import annotations
@@ -28,11 +29,6 @@ MOE_STEP = [
     "algo.filter_zero_variance_groups=false",
     "stages=[{name: s1, max_response_len: 8, max_steps: 1}]", "eval.every=0", "eval.size=4",
     "tracking.wandb_mode=disabled",
-    # vLLM-CPU 0.32's in-place reload of MoE expert weights leaves the engine computing something
-    # else (same weights reloaded: max log-prob gap 3e-7 before, 3e-2 after), which the sync's
-    # probe refuses; the engine side is issue 23's vLLM part (s7-moesync). This test is about the
-    # trainer's MoE step, so the probe is off here until that lands.
-    "sync.verify=false",
 ]
 
 
@@ -50,7 +46,7 @@ def moe_run(tmp_path_factory):
 def test_moe_grpo_step_logs_aux_loss_and_expert_load(moe_run):
     rows = [json.loads(x) for x in (moe_run / "metrics.jsonl").read_text().splitlines() if x]
     (step,) = [r for r in rows if r.get("stage") == "s1"]
-    assert step["batch/sequences"] == 16 and step["sync/tensors"] > 0
+    assert step["batch/sequences"] == 16 and step["sync/probe_gap_mean"] < 1e-4
     # Megatron's load-balancing loss: 1 for an even load, at most E (everything on one expert)
     assert 0.0 < step["moe/aux_loss"] <= EXPERTS and math.isfinite(step["moe/z_loss"])
     for i in range(LAYERS):

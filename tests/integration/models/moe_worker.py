@@ -110,6 +110,68 @@ def run_round_trip(out, hf_root):
     _save(out, "roundtrip", result)
 
 
+class RecordingEngine:
+    """The in-process transport's engine side, recording what it is asked to load."""
+
+    name = "recorder"
+
+    def __init__(self):
+        self.loaded: dict = {}
+        self.weight_version = 0
+
+    def update_weights(self, named_tensors, version: int) -> dict:
+        for name, tensor in named_tensors:
+            assert name not in self.loaded, f"{name} loaded twice"
+            self.loaded[name] = tensor.clone()
+        self.weight_version = version
+        return {}
+
+
+def run_owned_sync(out, hf_root):
+    """The owners' export plan at expert layouts: what each rank sends, which groups its export
+    gathers over and whether it receives anything point to point; then one in-process weight sync
+    of that plan into a recording engine on rank 0."""
+    from megatron_rl.sync.base import build_weight_sync
+    from megatron_rl.sync.config import SyncConfig
+
+    result = {}
+    for name, arch, layout in (("ep2", "qwen3_moe", dict(ep=2)), ("etp2_ep2", "qwen3_moe", dict(ep=2, etp=2)),
+                               ("pp2_ep2", "qwen3_moe", dict(pp=2, ep=2)),
+                               ("tp2_ep2", "qwen2_moe", dict(tp=2, ep=2))):
+        policy = _policy(hf_root / arch, **layout)
+        g = policy.groups
+        plan = policy.export_plan()
+        seen = {"recv": 0, "gather_groups": set()}
+        real_recv, real_gather = dist.recv, dist.gather
+
+        def recv(*a, **k):
+            seen["recv"] += 1
+            return real_recv(*a, **k)
+
+        def gather(tensor, gather_list=None, dst=0, group=None, **k):
+            seen["gather_groups"].add(tuple(dist.get_process_group_ranks(group)))
+            return real_gather(tensor, gather_list, dst=dst, group=group, **k)
+
+        dist.recv, dist.gather = recv, gather
+        try:
+            names = [n for n, _ in policy.export_owned(plan)]
+        finally:
+            dist.recv, dist.gather = real_recv, real_gather
+        mine = {"names": names, "recv": seen["recv"], "gather_groups": sorted(seen["gather_groups"]),
+                "place": dict(pp=g.pp_rank, tp=g.tp_rank, cp=g.cp_rank, dp=g.dp_rank, ep=g.ep_rank,
+                              etp=g.etp_rank, edp=g.edp_rank),
+                "tp_ranks": list(g.tp_ranks), "etp_ranks": list(g.etp_ranks)}
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+        engine = RecordingEngine() if g.rank == 0 else None
+        sync = build_weight_sync(SyncConfig(transport="inprocess", verify=False),
+                                 [engine] if engine else None, rank=g.rank, metadata=plan)
+        sync.sync(policy.export_owned(plan, placeholders=sync.placeholders), 1)
+        result[name] = {"arch": arch, "ranks": ranks, "loaded": engine.loaded if engine else None,
+                        "senders": sorted({i.sender for i in plan})}
+    _save(out, "owned_sync", result)
+
+
 def run_checkpoint(out, hf_dir, ckpt_root):
     """Saved at EP=2 after a step, resumed at EP=1, saved there after another step and resumed
     at EP=2 (TP=1, DP=4 throughout: the same micro-batches, so the same steps)."""
@@ -186,6 +248,7 @@ def cases(out: Path, hf_root: Path) -> dict:
                                               distopt=True),
         "qwen2_tp2_ep2": lambda: run_layout(out, q2, "qwen2_tp2_ep2", tp=2, ep=2),
         "roundtrip": lambda: run_round_trip(out, hf_root),
+        "owned_sync": lambda: run_owned_sync(out, hf_root),
         "checkpoint": lambda: run_checkpoint(out, q3, out / "ckpt"),
         "bad_layouts": lambda: run_bad_layouts(out, hf_root),
     }

@@ -60,8 +60,20 @@ def run_layout(out, hf_dir, case, grads=True, sparse=False, **layout):
     metrics = policy.train_step(batch, make_loss_fn(batch), TEMPERATURE, with_entropy=True, per_sequence=per_seq)
     result = {"logps": logps, "ents": ents, "metrics": metrics, "per_seq": per_seq.values,
               "grads": _export(policy, grads=True) if grads else None,
-              "weights": _export(policy)}
+              "weights": _export(policy), "owned": _owned(policy)}
     _save(out, case, result)
+
+
+def _owned(policy) -> list:
+    """Every rank's owned export (sync.senders=owners): what each rank yielded, by rank."""
+    plan = policy.export_plan()
+    mine = {"names": [], "tensors": {}}
+    for name, t in policy.export_owned(plan):
+        mine["names"].append(name)
+        mine["tensors"][name] = t.clone()
+    ranks = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(ranks, mine)
+    return ranks
 
 
 def run_round_trip(out, hf_root):

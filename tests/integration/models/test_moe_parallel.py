@@ -147,3 +147,44 @@ def test_moe_impossible_layouts_fail_before_a_model_is_built(run):
     assert errors["etp3"][0].endswith("expert_tensor_parallel")
     assert "this model is dense" in errors["ep2_dense"][1]
     assert errors["tp2_no_sp"][0].endswith("sequence_parallel")
+
+
+@pytest.mark.parametrize("layout", ["ep2", "etp2_ep2", "pp2_ep2", "tp2_ep2"])
+def test_moe_owned_export_sends_each_expert_from_its_ep_rank(layout, run):
+    """sync.senders=owners at expert layouts: a routed expert is sent by the rank holding it (its EP
+    rank's expert-TP rank 0 in expert-data-parallel replica 0), every other tensor by its stage's
+    TP rank 0 of replica 0, nothing by anyone else; an export gathers only within a rank's TP or
+    expert-TP group and receives nothing point to point (no rank gets another EP rank's experts);
+    the in-process sync of that plan hands the engine exactly the checkpoint's HF tensors."""
+    from safetensors.torch import load_file
+
+    got = run["load"]("owned_sync")[layout]
+    original = load_file(str(run["hf"] / got["arch"] / "model.safetensors"))
+    experts, layers = 4, 2
+    places = [r["place"] for r in got["ranks"]]
+    pp = 1 + max(p["pp"] for p in places)
+    ep = 1 + max(p["ep"] for p in places)
+
+    def stage(name: str) -> int:
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) // (layers // pp)
+        return 0 if "embed_tokens" in name else pp - 1
+
+    def sender(name: str) -> int:
+        parts = name.split(".")
+        if ".mlp.experts." in name:  # routed expert: held by one EP rank
+            want = dict(pp=stage(name), ep=int(parts[5]) // (experts // ep), etp=0, edp=0)
+        else:
+            want = dict(pp=stage(name), tp=0, cp=0, dp=0)
+        (rank,) = [r for r, p in enumerate(places) if all(p[k] == v for k, v in want.items())]
+        return rank
+
+    for rank, mine in enumerate(got["ranks"]):
+        assert sorted(mine["names"]) == sorted(n for n in original if sender(n) == rank), (layout, rank)
+        assert mine["recv"] == 0
+        assert all(group in (mine["tp_ranks"], mine["etp_ranks"]) for group in map(list, mine["gather_groups"]))
+    assert len(got["senders"]) > 1
+    loaded = got["loaded"]
+    assert set(loaded) == set(original)
+    for name, tensor in original.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name

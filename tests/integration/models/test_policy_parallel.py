@@ -95,6 +95,37 @@ def test_layout_matches_single_rank(case, run):
     assert _max_weight_diff(base["weights"], _original(run["hf"] / "llama")) > 5e-4
 
 
+# (pipeline_parallel, tensor_parallel, data_parallel, virtual stages) of each 4-rank case
+SHAPES = {"tp1": (1, 1, 4, 1), "tp2": (1, 2, 2, 1), "tp2_sp": (1, 2, 2, 1), "pp2": (2, 1, 2, 1),
+          "tp2pp2": (2, 2, 1, 1), "pp2_vpp2": (2, 1, 2, 2), "tp2_distopt": (1, 2, 2, 1), "tied_tp2pp2": (2, 2, 1, 1),
+          "qknorm_tp2pp2": (2, 2, 1, 1), "sparse_dp4": (1, 1, 4, 1)}
+
+
+@pytest.mark.parametrize("case", sorted(SHAPES))
+def test_owned_export_sends_each_stage_from_its_tp_rank0_of_replica0(case, run):
+    """sync.senders=owners: each rank yields exactly its stage's tensors when it is the stage's
+    TP-rank-0 of data-parallel replica 0 (Megatron's rank order: a stage is a block of tp x dp ranks),
+    nothing otherwise; together they are the gathered export, bit-exact."""
+    got = run["load"](case)
+    pp, tp, dp, vpp = SHAPES[case]
+    layers = 4  # the test models'
+    gathered, owned = got["weights"], got["owned"]
+
+    def stage(name: str) -> int:
+        if name.startswith("model.layers."):
+            return (int(name.split(".")[2]) // (layers // (pp * vpp))) % pp
+        return 0 if "embed_tokens" in name else pp - 1
+
+    union = {}
+    for rank, mine in enumerate(owned):
+        sender = rank % (tp * dp) == 0
+        want = sorted(n for n in gathered if stage(n) == rank // (tp * dp)) if sender else []
+        assert sorted(mine["names"]) == want, (case, rank)
+        union.update(mine["tensors"])
+    assert set(union) == set(gathered)
+    assert all(torch.equal(union[n], gathered[n]) for n in gathered), case
+
+
 def test_distributed_optimizer_matches_plain_data_parallel(run):
     plain, distopt = run["load"]("tp2"), run["load"]("tp2_distopt")
     assert distopt["metrics"]["grad_norm"] == pytest.approx(plain["metrics"]["grad_norm"], rel=1e-6)

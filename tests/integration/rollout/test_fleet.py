@@ -959,6 +959,101 @@ def test_fleet_tp2_torchrun_trainer_on_three_servers_matches_single_rank(fleet_e
         fleet.close()
 
 
+def _stage_of(name: str, num_layers: int, pp: int) -> int:
+    """The pipeline stage holding HF tensor ``name`` (layers split evenly; the embedding first, the
+    final norm and head last): the reference the owned export is checked against."""
+    if name.startswith("model.layers."):
+        return int(name.split(".")[2]) // (num_layers // pp)
+    return 0 if "embed_tokens" in name else pp - 1
+
+
+def test_fleet_owned_export_pp2_and_tp2pp2_torchrun_streams_each_stage_into_inprocess_and_servers(fleet_env, tmp_path):
+    """`torchrun --nproc-per-node 4` at PP=2 x DP=2 and at TP=2 x PP=2 (a policy per layout, each from
+    its own retrained checkpoint): each pipeline stage's TP-rank-0 of replica 0 streams its own layers
+    (sync.senders=owners) into an in-process vLLM engine on rank 0 and into the three servers (gloo: one
+    group per sender). Checked against what the layout implies, not against the code's own plan:
+    each rank's export yields exactly its stage's tensors (by layer index) when it is the stage's
+    sender and nothing otherwise; in the gloo sync no trainer rank receives any tensor bytes, each
+    sender roots exactly its own tensors' bytes, the TP gathers stay inside a stage; in the
+    in-process sync only rank 0 (the engine's) receives, exactly the other stage's bytes. Then every
+    engine's greedy tokens equal transformers' with that layout's weights and its sampled log-probs
+    equal a float64 teacher-forced pass (2e-4)."""
+    import json
+    import shutil
+    import subprocess
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(fleet_env["model"], dtype=torch.float32).eval()
+    layouts, refs = [], {}
+    for i, (name, tp) in enumerate((("pp2_dp2", 1), ("tp2_pp2", 2))):
+        path = tmp_path / name
+        shutil.copytree(fleet_env["model"], path)
+        hf = AutoModelForCausalLM.from_pretrained(fleet_env["model"], dtype=torch.float32).eval()
+        _retrain(hf, seed=100 + i)
+        hf.save_pretrained(path, safe_serialization=True)
+        refs[name] = hf
+        layouts.append({"name": name, "tp": tp, "parallel": {"tensor_parallel": tp, "pipeline_parallel": 2},
+                        "model": str(path), "version": _next_version(fleet_env)})
+    spec = {"engine_model": fleet_env["model"], "registry": fleet_env["registry"], "names": NAMES,
+            "fleet": _cfg().to_dict(), "prompts": PROMPTS[:4], "layouts": layouts}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           str(Path(__file__).parent / "owned_sync_worker.py"), str(tmp_path), str(tmp_path / "spec.json")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    results = torch.load(tmp_path / "result.pt", weights_only=False)
+    num_layers = base.config.num_hidden_layers
+    for row, layout in zip(results, layouts):
+        hf, tp, name = refs[row["name"]], layout["tp"], row["name"]
+        tensors = load_file(str(Path(layout["model"]) / "model.safetensors"))
+        tensors.pop("lm_head.weight", None)  # tied: not exported
+        stage_bytes = [sum(t.numel() * 4 for n, t in tensors.items() if _stage_of(n, num_layers, 2) == p)
+                       for p in range(2)]
+        senders = [p * (4 // 2) for p in range(2)]  # stage p's TP-rank-0 of replica 0: ranks 0 and 2
+        for kind in ("inprocess", "gloo"):
+            entry = row[kind]
+            for rank, got in enumerate(entry["ranks"]):
+                want = ([n for n in tensors if _stage_of(n, num_layers, 2) == senders.index(rank)]
+                        if rank in senders else [])
+                assert sorted(got["names"]) == sorted(want), (name, kind, rank)
+                counts = got["counts"]
+                gathered = counts.get("recv", 0)
+                if kind == "inprocess" and rank == 0:
+                    gathered -= stage_bytes[1]  # the other stage's tensors, for the engine it hosts
+                    assert counts.get("recv", 0) >= stage_bytes[1]
+                # a rank receives at most its own stage's shards (the TP gather); none at TP=1
+                stage = rank // 2
+                assert 0 <= gathered <= (stage_bytes[stage] if tp > 1 and rank in senders else 0), \
+                    (name, kind, rank, counts)
+                if kind == "gloo" and rank in senders:  # roots exactly its own tensors' bytes
+                    shards = counts.get("sent", 0)
+                    assert shards == stage_bytes[senders.index(rank)], (name, rank, counts)
+                if kind == "inprocess" and rank == senders[1]:
+                    assert counts.get("sent", 0) == stage_bytes[1], (name, rank, counts)
+            m = entry["metrics"]
+            assert m["senders"] == 2 and m["complete"] and not m["failures"], m
+            assert m["sender_bytes"] == {senders[0]: stage_bytes[0], senders[1]: stage_bytes[1]}, m
+            assert m["bytes"] == sum(stage_bytes) and m["tensors"] == len(tensors)
+            for engine, out in entry["outputs"].items():
+                assert out["versions"] == [layout["version"]], (name, kind, engine)
+                for prompt, greedy, group in zip(PROMPTS[:4], out["greedy"], out["sampled"]):
+                    assert greedy == hf_greedy(hf, prompt, 10), (name, kind, engine)
+                    for ids, lps in group:
+                        ref = hf_logprobs(hf, prompt, ids)
+                        assert torch.allclose(torch.tensor(lps, dtype=torch.float64), ref, atol=2e-4, rtol=0), \
+                            (name, kind, engine, (torch.tensor(lps, dtype=torch.float64) - ref).abs().max())
+            if kind == "gloo":  # every worker received both senders' buckets, checksummed
+                for engine, (round_,) in entry["rounds"].items():
+                    assert round_["senders"] == 2 and round_["bytes"] == sum(stage_bytes), (engine, round_)
+    # the two layouts' weights differ (each sync changed what the engines compute)
+    assert hf_greedy(refs["pp2_dp2"], PROMPTS[0], 10) != hf_greedy(refs["tp2_pp2"], PROMPTS[0], 10) or \
+        hf_greedy(refs["pp2_dp2"], PROMPTS[1], 10) != hf_greedy(refs["tp2_pp2"], PROMPTS[1], 10)
+
+
 def test_async_fleet_trainer_one_step_off_with_partial_rollouts_and_oversampling(fleet_env, tmp_path):
     """`megatron-rl train` on the three servers with rollout.async (one-step-off, partial rollouts,
     50% oversampling): every step trains rollout_batch_size groups, none more than one version old
@@ -1181,6 +1276,31 @@ def observe_launch(cfg, env):
     return {"registry": str(launcher.registry.dir), "servers": servers}
 
 
+def observe_gpu_engine_args(cfg, env):
+    """What a GPU node's launcher would start for a Mixture-of-Experts model (the engines' expert-
+    parallel flag needs both; on this CPU box it is refused before any server starts): each server's
+    command line as vLLM's own parser reads it into its engine arguments."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from megatron_rl.rollout.launcher import ENTRY, node_specs
+
+    moe = Path(env["root"]) / "moe_model"
+    if not (moe / "config.json").exists():
+        write_tiny_model(moe, TinySpec(arch="qwen3_moe", hidden_size=64, intermediate_size=128, num_layers=1,
+                                       num_heads=2, num_kv_heads=2, num_experts=4, moe_intermediate_size=32, seed=1))
+    specs = node_specs(node="gpu", host="127.0.0.1", count=1, model=str(moe), rollout=cfg.rollout, max_model_len=64,
+                       gpus_per_engine=cfg.rollout.tensor_parallel_size)
+    out = []
+    for spec in specs:
+        argv = spec.command()
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[argv.index(ENTRY) + 1:])
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        out.append({f: repr(getattr(engine_args, f)) for f in sorted(vars(engine_args)) if f not in ("port", "host")})
+    return out
+
+
 def observe_fleet(cfg, env):
     """Which servers the trainer waits for and drives: their names and URLs (or why it cannot)."""
     def connect():
@@ -1289,7 +1409,8 @@ def observe_retries(cfg, env):
     sync.checks.append(fails_once)
     hf = env["hf"]
     ctx = SimpleNamespace(cfg=cfg, engines_wake=lambda: None, weight_sync=sync, is_driver=True,
-                          broadcast=lambda value: value, policy=SimpleNamespace(export_hf_weights=lambda: _named(hf)))
+                          broadcast=lambda value: value, export_plan=_metadata(hf),
+                          policy=SimpleNamespace(export_owned=lambda plan, placeholders: _named(hf)))
     try:
         metrics = sync_weights(ctx, _next_version(env))
         out = (metrics["sync/attempts"], metrics["sync/engines"], fleet.states())
@@ -1416,6 +1537,7 @@ FLEET_PROBES = {
     "rollout.kv_cache_bytes": FleetProbe("33554432", observe_launch, LAUNCH),
     "rollout.gpu_memory_utilization": FleetProbe("0.3", observe_launch, [*LAUNCH, "rollout.kv_cache_bytes=0"]),
     "rollout.tensor_parallel_size": FleetProbe("2", observe_launch, LAUNCH),
+    "rollout.expert_parallel": FleetProbe("true", observe_gpu_engine_args, ["rollout.tensor_parallel_size=2"]),
     "rollout.enforce_eager": FleetProbe("false", observe_launch, LAUNCH),
     "rollout.max_num_seqs": FleetProbe("8", observe_launch, LAUNCH),
     "sync.transport": FleetProbe("nccl", observe_launch, LAUNCH),

@@ -124,6 +124,13 @@ class BigramPolicy:
     def export_hf_weights(self):
         yield "theta", self.theta.detach().clone()
 
+    def export_plan(self, to_rank=None):
+        return [("theta", self.theta.dtype, tuple(self.theta.shape), 0)]
+
+    def export_owned(self, plan, placeholders=False):
+        assert [item[0] for item in plan] == ["theta"], plan
+        yield "theta", self.theta.detach().clone()
+
     def save_checkpoint(self, path) -> None:
         self.log.add("save", "/".join(Path(path).parts[-3:]))
         Path(path).mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ the two walks checks that it covers its share."""
 FLEET_KEYS = frozenset({
     # what the launched servers run with (their command lines, read back from the started processes)
     "rollout.engine", "rollout.dtype", "rollout.kv_cache_bytes", "rollout.gpu_memory_utilization",
-    "rollout.tensor_parallel_size", "rollout.enforce_eager", "rollout.max_num_seqs", "sync.transport",
+    "rollout.tensor_parallel_size", "rollout.expert_parallel", "rollout.enforce_eager", "rollout.max_num_seqs", "sync.transport",
     # where the engines run and how the trainer finds them (the fleet it connects to)
     "rollout.placement", "rollout.num_engines", "rollout.engines_per_node", "rollout.server_urls",
     "rollout.hosts", "rollout.registry_dir",

@@ -114,7 +114,8 @@ def run_fake(cfg: RunConfig, tmp: Path, *, drop_version: bool = False, stale: bo
     if cfg.algo.distill.enabled:  # a bigram teacher whose weights the checkpoint path names
         ctx.teacher = fake_run.BigramPolicy(len(tok), fake_run.Log(),
                                             seed=zlib.crc32(cfg.algo.distill.teacher.encode()) % 997)
-    ctx.weight_sync = build_weight_sync(cfg.sync, engine)
+    ctx.export_plan = policy.export_plan()
+    ctx.weight_sync = build_weight_sync(cfg.sync, engine, metadata=ctx.export_plan)
     ctx.weight_sync.connect()
     try:
         code: Any = run(ctx)
@@ -151,6 +152,23 @@ def observe_run_broken_engine(cfg: RunConfig, tmp: Path):
 def observe_run_stale_engine(cfg: RunConfig, tmp: Path):
     """An engine that reports the new version but keeps computing with the old weights."""
     return run_fake(cfg, tmp, stale=True)
+
+
+def observe_send_plan(cfg: RunConfig, tmp: Path):
+    """Who sends what in a sync at pipeline_parallel=2 (the trainer's plan for its sync.senders; the
+    real export plan over a two-stage layout: sync.senders changes which ranks send)."""
+    from megatron_rl.models.hf_config import HFArch
+    from megatron_rl.models.hf_export import export_plan
+    from megatron_rl.models.parallel import ParallelGroups
+
+    arch = HFArch(model_type="llama", vocab_size=16, hidden_size=8, ffn_hidden_size=16, num_layers=2, num_heads=2,
+                  num_kv_heads=2, head_dim=4, rope_theta=1e4, rms_eps=1e-6, tie_embeddings=False, qkv_bias=False,
+                  qk_norm=False, max_position_embeddings=32)
+    groups = ParallelGroups(world_size=2, rank=0, tp=1, pp=2, dp=1, vpp=1, tp_rank=0, pp_rank=0, dp_rank=0,
+                            tp_group=None, pp_group=None, dp_group=None, pp_ranks=(0, 1), tp_ranks=(0,),
+                            backend="gloo", device=torch.device("cpu"), timeout_s=1.0, generation=0)
+    plan = export_plan(arch, groups, torch.float32, to_rank=cfg.sync.gather_rank())
+    return [(item.name, item.sender) for item in plan]
 
 
 def observe_preempted(cfg: RunConfig, tmp: Path):
@@ -604,6 +622,7 @@ PROBES: dict[str, Probe] = {
     # the weight sync: a broken engine (never reports the loaded version) is caught by verify
     "sync.verify": Probe("false", RB),
     "sync.probe_tolerance": Probe("100.0", observe_run_stale_engine),
+    "sync.senders": Probe("gather", observe_send_plan),
     # data
     "data.train_path": Probe("{walk}/data/eval.jsonl", D),
     "data.prompt_key": Probe("data_source", D),

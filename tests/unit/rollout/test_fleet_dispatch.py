@@ -639,15 +639,15 @@ def test_a_sync_round_that_reached_no_engine_is_loaded_again_from_the_host_copy(
     pytest.importorskip("vllm")
     import torch
 
-    from megatron_rl.sync.base import SyncError, SyncMetrics, SyncMismatch
+    from megatron_rl.sync.base import SendPlan, SyncError, SyncMetrics, SyncMismatch
     from megatron_rl.sync.config import SyncConfig
     from megatron_rl.sync.vllm_protocol import ServerTransport, ServerWeightSync
 
     engines = [Lost("e0"), Lost("e1")]
     fleet = EngineFleet(engines, RolloutConfig(engine="vllm_server", num_engines=2, start_timeout_s=5.0, hedge_after=0.0))
     meta = [("a", torch.float32, (3,)), ("b", torch.float32, (2,))]
-    sync = ServerWeightSync(SyncConfig(transport="gloo", retries=1), fleet, sender=True, metadata=meta,
-                            transport=ServerTransport("stand-in", lambda *a: None))
+    sync = ServerWeightSync(SyncConfig(transport="gloo", retries=1), fleet, rank=0, plan=SendPlan.of(meta),
+                            transport=ServerTransport("stand-in", lambda *a, **k: None))
     rounds: list = []
 
     def dies_once(named, version, reference):

@@ -53,7 +53,7 @@ def test_non_sender_rank_drains_the_collective_iterator():
             yield name, None
 
     engine = RecordingEngine("a")
-    metrics = build_weight_sync(SyncConfig(), [engine], sender=False).sync(export(), version=2)
+    metrics = build_weight_sync(SyncConfig(), [engine], rank=1).sync(export(), version=2)
     assert len(drained) == 5 and engine.loaded == {} and metrics.tensors == 0
 
 
