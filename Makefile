@@ -8,12 +8,16 @@ RUN_DIR ?= runs/demo
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: demo demo-cleaning test setup lint
+.PHONY: demo demo-moe demo-cleaning test setup lint
 setup:
 	bash scripts/bootstrap.sh
 
 demo: setup
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python -m megatron_rl.cli demo --run-dir $(RUN_DIR) $(ARGS)
+
+# The demo with a Mixture-of-Experts policy (a tiny Qwen3-MoE; configs/demo_moe_cpu.yaml).
+demo-moe: setup
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/python -m megatron_rl.cli train --config configs/demo_moe_cpu.yaml $(ARGS)
 
 # The data-cleaning demo: planted wrong labels found live (configs/demo_cleaning.yaml).
 demo-cleaning: setup

@@ -241,6 +241,7 @@ class AlgoConfig(ConfigBase):
     # of the group mean/std and given advantage 0; "after" kept in the statistics, advantage then 0.
     truncation_mask: TruncationMask = "none"
     # Drop groups whose rewards all equal each other (all-correct, all-wrong, or equal fractional).
+    # With algo.distill no group is dropped: every one carries the teacher's per-token signal.
     filter_zero_variance_groups: bool = True
     # Reward at or above which a response counts as correct (all-correct group counting only).
     correct_reward: float = ranged(1.0)
@@ -311,9 +312,6 @@ class AlgoConfig(ConfigBase):
         if self.clip.dual_clip_c is not None and loss not in PPO_SURROGATE_LOSSES:
             self.fail("clip.dual_clip_c", f"dual clip caps the PPO surrogate of "
                                           f"{list(PPO_SURROGATE_LOSSES)}; policy_loss {loss!r} has none")
-        if self.distill.mode == "replace" and self.filter_zero_variance_groups:
-            self.fail("distill.mode", "'replace' trains on the teacher's signal, which groups "
-                                      "of equal rewards carry too: set filter_zero_variance_groups=false")
 
     @property
     def engine_routes(self) -> bool:

@@ -37,7 +37,7 @@ class AsyncConfig(ConfigBase):
     oversample: float = ranged(0.0, ge=0.0)
     # DAPO dynamic sampling: keep drawing prompts until the step has rollout_batch_size groups with
     # reward variance (zero-variance groups are generated, counted and dropped). Needs
-    # algo.filter_zero_variance_groups.
+    # algo.filter_zero_variance_groups; refused with algo.distill (every group trains there).
     dynamic_sampling: bool = False
     # Cap of dynamic sampling: at most this many times rollout_batch_size prompts are drawn for one
     # step; a step that reaches it trains on the groups it has. Refused without dynamic_sampling.

@@ -146,6 +146,8 @@ class EngineFleet(RolloutEngine):
         self._reviver = None
         self._revival: asyncio.Future | None = None
         self._revivals = 0
+        # time.monotonic() of the last dispatch, answer or revival step (see last_progress)
+        self._progress = time.monotonic()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-loop", daemon=True)
         self._thread.start()
@@ -297,6 +299,15 @@ class EngineFleet(RolloutEngine):
             self._revivals += 1
         log.info("engines back in service after a total loss: %s", [e.name for e in self.live()])
 
+    def last_progress(self) -> float:
+        """``time.monotonic()`` of the fleet's last progress: a request sent or re-sent, a copy
+        answered, or now while a revival runs (it waits up to ``rollout.start_timeout_s`` for
+        restarts, bounded by itself). A caller's watchdog counts ``rollout.timeout_s`` from it: a request
+        re-sent after its engine timed out, or waiting for a revival, has not hung."""
+        if self._revival is not None and not self._revival.done():
+            return time.monotonic()
+        return self._progress
+
     def _describe(self) -> str:
         return "; ".join(f"{s.engine.name} {s.state.value}" + (f" ({s.reason})" if s.reason else "")
                          for s in self._slots)
@@ -349,6 +360,7 @@ class EngineFleet(RolloutEngine):
 
     def _launch(self, flight: _Flight, slot: _Slot) -> None:
         """Send a copy of ``flight`` to ``slot`` (its room is already taken)."""
+        self._progress = time.monotonic()
         if not flight.copies:
             flight.primary, flight.started = slot, self._loop.time()
         flight.copies[asyncio.ensure_future(self._copy(flight, slot))] = slot
@@ -360,6 +372,7 @@ class EngineFleet(RolloutEngine):
         t0 = self._loop.time()
         try:
             out = await self._send(slot, flight.prompt_ids, flight.sampling, flight.wire_id)
+            self._progress = time.monotonic()
             if flight.answered:  # a losing copy, aborted: its time says nothing of the engine's speed
                 return out
             slot.latencies.append(self._loop.time() - t0)

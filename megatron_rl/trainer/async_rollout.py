@@ -262,13 +262,21 @@ class RolloutScheduler:
         if not self.stream.in_flight():
             return report
         t0 = time.perf_counter()
-        deadline = t0 + self.r.timeout_s
+        deadline = time.monotonic() + self.r.timeout_s
         while self.stream.in_flight():
-            if time.perf_counter() > deadline:
+            deadline = self._extended(deadline)
+            if time.monotonic() > deadline:
                 raise TimeoutError(f"rollout.async: requests in flight did not finish within "
-                                   f"rollout.timeout_s={self.r.timeout_s}s before a weight update")
+                                   f"rollout.timeout_s={self.r.timeout_s}s of the engine's last progress "
+                                   f"before a weight update")
             time.sleep(0.005)
         return {k: time.perf_counter() - t0 for k in report}
+
+    def _extended(self, deadline: float) -> float:
+        """A watchdog's deadline (``time.monotonic()``) moved to ``rollout.timeout_s`` after the
+        engine's last progress when that is later (see ``GroupStream.last_progress``)."""
+        progress = self.stream.last_progress()
+        return deadline if progress is None else max(deadline, progress + self.r.timeout_s)
 
     def after_sync(self) -> None:
         """After a weight update: partial rollouts continue, their later tokens from the new weights."""
@@ -413,7 +421,9 @@ class RolloutScheduler:
     def _receive(self, block: bool, stop=None) -> bool:
         """Move delivered groups from the engine's thread into ``done`` (arrival order); a
         continued sample is joined to its partial group first. Blocking: until something arrives
-        (within ``rollout.timeout_s``), or until ``stop()`` is true (returns False)."""
+        (within ``rollout.timeout_s`` of the engine's last progress: a request re-sent after its
+        engine timed out, or a fleet waiting for restarts, is not a hang), or until ``stop()`` is true
+        (returns False)."""
         timeout = self.r.timeout_s
         deadline = time.monotonic() + timeout
         while True:
@@ -425,8 +435,10 @@ class RolloutScheduler:
             except queue.Empty:
                 if not block:
                     return True
+                deadline = self._extended(deadline)
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(f"rollout.async: no group finished within rollout.timeout_s={timeout}s")
+                    raise TimeoutError(f"rollout.async: no group finished within rollout.timeout_s={timeout}s "
+                                       f"of the engine's last progress")
                 continue
             block = False
             for tag, result in batch:

@@ -96,6 +96,10 @@ def validate_cross(cfg: RunConfig) -> None:
     if cfg.rollout.async_.dynamic_sampling and not cfg.algo.filter_zero_variance_groups:
         raise ConfigError("rollout.async.dynamic_sampling", "keeps drawing until the step has groups with reward "
                                                             "variance: it needs algo.filter_zero_variance_groups=true")
+    if cfg.rollout.async_.dynamic_sampling and cfg.algo.distill.enabled:
+        raise ConfigError("rollout.async.dynamic_sampling", "keeps drawing until the step has groups with reward "
+                                                            "variance, but with algo.distill every group trains (the "
+                                                            "teacher's signal): it would draw nothing more")
     ref = cfg.policy.reference
     if not cfg.algo.kl.enabled:
         for name, value in (("path", ref.path), ("offload", ref.offload)):

@@ -170,7 +170,6 @@ def test_decoupled_ppo_needs_the_engines_logprobs():
     ({"policy_loss": "decoupled_ppo", "mismatch": {"mode": "tis_token"}}, "algo.mismatch.mode"),
     ({"policy_loss": "cispo", "clip": {"dual_clip_c": 3.0}}, "algo.clip.dual_clip_c"),
     ({"policy_loss": "gspo", "clip": {"dual_clip_c": 3.0}}, "algo.clip.dual_clip_c"),
-    ({"distill": {"coef": 1.0, "teacher": "t", "mode": "replace"}}, "algo.distill.mode"),
     ({"distill": {"coef": 1.0}}, "algo.distill.teacher"),
     ({"distill": {"teacher": "t"}}, "algo.distill.teacher"),
     ({"shaping": {"shapers": ["overlong", "overlong"]}}, "algo.shaping.shapers"),

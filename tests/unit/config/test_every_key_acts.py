@@ -572,7 +572,7 @@ PROBES: dict[str, Probe] = {
     "algo.token_mask.mode": Probe("high_entropy", R),
     "algo.token_mask.frac": Probe("0.5", R, ["algo.token_mask.mode=low_entropy"]),
     "algo.distill.coef": Probe("0.2", R, DISTILL),
-    "algo.distill.mode": Probe("replace", R, [*DISTILL, "algo.filter_zero_variance_groups=false"]),
+    "algo.distill.mode": Probe("replace", R, DISTILL),
     "algo.distill.teacher": Probe("{walk}/teacher_b", R, DISTILL),
     "algo.distill.offload": Probe("true", observe_teacher_build, DISTILL),
     # rollout sampling: what the engine is asked for, and what the run does with it

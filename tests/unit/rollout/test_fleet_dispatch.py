@@ -430,10 +430,13 @@ def test_fleet_with_every_engine_lost_waits_for_restarts_revives_them_and_sample
     cfg = RolloutConfig(engine="vllm_server", num_engines=2, max_num_seqs=4, timeout_s=5.0, start_timeout_s=5.0,
                         hedge_after=0.0)
     fleet = EngineFleet(engines, cfg)
-    revived, threads = [], []
+    revived, threads, lag = [], [], []
 
     def reviver():
         threads.append(threading.current_thread() is fleet._thread)
+        time.sleep(0.2)
+        # a revival under way is progress: the trainer's watchdog (rollout.timeout_s) waits for it
+        lag.append(time.monotonic() - fleet.last_progress())
         fleet.hold()  # (as the sync's round does)
         for engine in fleet.sync_targets():
             engine.weight_version = 7
@@ -460,6 +463,7 @@ def test_fleet_with_every_engine_lost_waits_for_restarts_revives_them_and_sample
         fleet.close()
     assert [[c.token_ids for c in g] for g in got] == _reference()[:12]
     assert sorted(set(revived)) == ["e0", "e1"] and threads and not any(threads)
+    assert lag and max(lag) < 0.05, lag
     assert m["rollout/revivals"] == 1 and m["rollout/requeued_requests"] >= 2 and m["rollout/engines_up"] == 2
     assert {c.weight_version for g in got for c in g} <= {0, 7}
     # nothing comes back within rollout.start_timeout_s: the request fails, naming the engines

@@ -399,3 +399,44 @@ def test_routing_replay_a_continued_sample_keeps_each_rows_first_computation():
     # a checkpointed group keeps its routes (weights-only state)
     back = _completion_from_dict(_completion_dict(part))
     assert back.routes.dtype == np.uint8 and (back.routes == part_rows).all()
+
+
+class _LateStream(FakeStream):
+    """Every group answers ``delay`` s after it was submitted (a fleet re-sending a request whose
+    engine timed out, or waiting for restarts); ``progress``: the stream reports its progress as now
+    (it is working on it), else it reports none."""
+
+    def __init__(self, delay, progress):
+        super().__init__(slow=lambda index: False)
+        self.delay, self.progress = delay, progress
+
+    def submit(self, prompt_ids, sampling, tags, on_done):
+        import threading
+
+        groups = [(tag, self._group(p, sampling.prompt_seed(i), sampling.n, [self.weight_version]))
+                  for i, (p, tag) in enumerate(zip(prompt_ids, tags))]
+        threading.Timer(self.delay, on_done, args=(groups,)).start()
+
+    def last_progress(self):
+        import time
+
+        return time.monotonic() if self.progress else None
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_async_watchdog_counts_timeout_from_the_engines_last_progress(progress):
+    """A wave that takes 2.5x rollout.timeout_s is waited for while the engine reports progress (a
+    re-sent request, a revival) and times out, naming the key, when it reports none."""
+    import dataclasses
+
+    cfg = _cfg(max_staleness=1)
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, timeout_s=0.4))
+    eng = _LateStream(delay=1.0, progress=progress)
+    sched, _ = _scheduler(cfg, eng)
+    if progress:
+        ro, _m = sched.next_rollout(0, 100, 0, timer)
+        assert len(ro.records) == cfg.rollout.rollout_batch_size
+    else:
+        with pytest.raises(TimeoutError, match="rollout.timeout_s"):
+            sched.next_rollout(0, 100, 0, timer)
+    sched.close()
