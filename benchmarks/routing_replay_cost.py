@@ -9,6 +9,10 @@ out as Megatron's router rows for every micro-batch (``models.routing_replay.mic
 and, with ``--policy``, the policy's old-log-prob pass and one training step with and without the
 engine's routes replayed (a one-rank Megatron-Core MoE policy).
 
+With ``--policy`` it also measures what replay is for: ``moe/router_agreement`` (the trainer's own
+routers vs the engine's routes) and the train-inference log-prob gap without and with the engine's
+routes replayed (r3); ``--engine-dtype bfloat16`` serves in bf16 as on GPUs (the trainer: float32).
+
 Prints bytes per position and per response token (the ``Completion.routes`` array; over a server,
 base64 in JSON: x 4/3), the generation time with / without routes, the trainer-side seconds, and their
 share of the step (generation + the trainer's passes). The last line is one JSON object.
@@ -57,7 +61,10 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--micro-batch-tokens", type=int, default=8192)
-    ap.add_argument("--policy", action="store_true", help="also time the policy's passes (Megatron-Core)")
+    ap.add_argument("--policy", action="store_true", help="also time the policy's passes (Megatron-Core) and "
+                    "measure moe/router_agreement and the log-prob gap with and without replay")
+    ap.add_argument("--engine-dtype", default="float32", help="the engines' dtype (bfloat16: as on GPUs; the "
+                    "trainer stays float32)")
     args = ap.parse_args()
 
     import torch
@@ -77,7 +84,7 @@ def main() -> int:
                     seed=1)
     model = str(write_tiny_model(work / "model", spec))
     cfg = RolloutConfig(max_prompt_len=32, max_response_len=args.max_tokens, kv_cache_bytes=64 << 20,
-                        max_num_seqs=args.prompts * args.group)
+                        max_num_seqs=args.prompts * args.group, dtype=args.engine_dtype)
     plain = VLLMEngine(model, cfg, seed=0, name="plain")
     routed = VLLMEngine(model, cfg, seed=0, name="routes", return_routes=True)
     prompts = _prompts(args.prompts, 0)
@@ -122,6 +129,7 @@ def main() -> int:
     replay_extra = sum(trainer.get(f"{k}_replay_s", 0.0) - trainer.get(f"{k}_plain_s", 0.0) for k in ("logprob", "update"))
     carry = (gen_routes - gen_plain) + t_batch + t_layout * (2 if args.policy else 1)
     step = gen_plain + passes
+    print(f"engines: {args.engine_dtype}; trainer: float32")
     print(f"model: {args.layers} MoE layers x {args.experts} experts, top-{args.top_k}; step: {len(comps)} "
           f"sequences, {response_tokens} response tokens, {positions} positions with routes")
     print(f"routes: {route_bytes / positions:.1f} B per position, {route_bytes / response_tokens:.1f} B per "
@@ -131,12 +139,16 @@ def main() -> int:
     print(f"trainer side: routes into the batch {t_batch * 1e3:.1f} ms, router rows of every micro-batch "
           f"{t_layout * 1e3:.1f} ms per pass")
     for k, v in trainer.items():
-        print(f"  {k}: {v:.3f} s")
+        if k.endswith("_s"):
+            print(f"  {k}: {v:.3f} s")
     share = carry / step if step else float("nan")
     print(f"carrying routes: {carry:.3f} s of a {step:.3f} s step = {share * 100:.2f} % "
           f"(target <= 3 %){'' if args.policy else ' (step = generation only: --policy adds the passes)'}")
     if args.policy:
         print(f"replay itself (forced routes vs the routers' own, both passes): {replay_extra:+.3f} s")
+        print(f"moe/router_agreement {trainer['router_agreement']:.4f}; train-inference log-prob gap (mean |trainer "
+              f"- engine| per token) without replay {trainer['logp_gap_free']:.3g}, with r3 "
+              f"{trainer['logp_gap_replay']:.3g}")
     print(f"load average after: {_load()}", flush=True)
     result = {"bytes_per_position": route_bytes / positions, "bytes_per_response_token": route_bytes / response_tokens,
               "gen_plain_s": gen_plain, "gen_routes_s": gen_routes, "batch_s": t_batch, "layout_s": t_layout,
@@ -179,6 +191,14 @@ def _policy_passes(model: str, batch, args) -> dict:
             up.append(time.perf_counter() - t0)
         out[f"logprob_{name}_s"] = statistics.median(lp)
         out[f"update_{name}_s"] = statistics.median(up)
+    # what replay is for (untimed passes): the routers' own choice against the engine's, the gaps
+    free = Routes(record=True)
+    logp, _ = policy.compute_logprobs(batch, 1.0, with_entropy=False, routes=free)
+    out["router_agreement"] = routing_replay.router_agreement(free.recorded, routes, batch.prompt_lens,
+                                                              [len(s) for s in batch.sequences])
+    out["logp_gap_free"] = routing_replay.logp_gap(logp, batch.token_fields["rollout_logp"])
+    logp, _ = policy.compute_logprobs(batch, 1.0, with_entropy=False, routes=Routes(replay=routes))
+    out["logp_gap_replay"] = routing_replay.logp_gap(logp, batch.token_fields["rollout_logp"])
     del torch
     return out
 
