@@ -59,10 +59,13 @@ def cpu_moe_layers(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, o
         return {}
     out = {}
     for name, module in model.named_modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        # vLLM 0.32: the checkpoint's ``...mlp.experts`` is a MoE runner; the weights and their
+        # kernel live in its ``routed_experts`` child, under that checkpoint prefix's name
+        layer = getattr(module, "routed_experts", module)
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch:
-            out[name] = (module, experts)
+            out[name] = (layer, experts)
     return out
 
 
@@ -75,15 +78,15 @@ def refresh_cpu_moe_experts(model: torch.nn.Module, loaded: Iterable[str]) -> in
         return 0
     from vllm._custom_ops import cpu_prepack_moe_weight
 
-    touched = set()
+    touched = {}  # id(layer) -> prefix: a layer reachable under two names is packed once
     for name in loaded:
         parts = name.split(".")
         for i in range(len(parts) - 1, 0, -1):  # the checkpoint name's module path, innermost first
             prefix = ".".join(parts[:i])
             if prefix in layers:
-                touched.add(prefix)
+                touched.setdefault(id(layers[prefix][0]), prefix)
                 break
-    for prefix in touched:
+    for prefix in touched.values():
         layer, experts = layers[prefix]
         size = experts.moe_config.intermediate_size_per_partition
         if experts._padded_intermediate_size(experts.moe_config) != size:
