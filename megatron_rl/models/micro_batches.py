@@ -33,7 +33,7 @@ class MicroInputs:
     pos_b: torch.Tensor  # [N] row of that token
     col: torch.Tensor  # [N] column of that token in the [b, T] response layout
     labels: torch.Tensor  # [N] the response token ids
-    mask: torch.Tensor  # [b, T] every response token of the rows (on every CP rank)
+    mask: torch.Tensor  # [b, T] every trained response token of the rows (on every CP rank)
     width: int  # T
     seq_len: int  # S, the padded length before the CP split
     padding_mask: torch.Tensor  # [b, S / CP] True where input_ids is padding (this CP rank's part)
@@ -61,7 +61,7 @@ def make_micro_inputs(batch: SequenceBatch, index: list[int], seq_len: int, rows
         pos_b.append(torch.full((n,), r, dtype=torch.long))
         col.append(torch.arange(n))
         labels.append(torch.tensor(s[p:], dtype=torch.long))
-        mask[r, :n] = True
+        mask[r, :n] = batch.trained(index[r])  # a tool's observation tokens are not trained on
     pos_s, pos_b, col, labels = (torch.cat(xs) for xs in (pos_s, pos_b, col, labels))
     local = split_for_cp({"input_ids": ids, "padding_mask": padding,
                           "position_ids": torch.arange(seq_len).expand(rows, seq_len)}, cp_group)

