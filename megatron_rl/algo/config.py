@@ -17,6 +17,7 @@ EntropyMode = Literal["off", "fixed", "adaptive"]
 EntropyEstimator = Literal["full", "sampled"]
 KLEstimator = Literal["k1", "k2", "k3_unclamped", "low_var_kl"]
 MismatchMode = Literal["none", "tis_token", "tis_seq", "icepop"]
+RoutingReplayMode = Literal["off", "r2", "r3"]
 OverCap = Literal["truncate", "mask"]
 DistillMode = Literal["add", "replace"]
 # Policy losses whose ratio is one per sequence: a per-token mismatch weight does not apply to them.
@@ -271,6 +272,16 @@ class AlgoConfig(ConfigBase):
     n_sgd: int = ranged(1, ge=1)
     # Optimizer steps per pass (mini-batches the rollout batch is split into). 1 = on-policy.
     mini_batches: int = ranged(1, ge=1)
+    # MoE routing replay: which experts each token goes through in the trainer's passes. "off": the
+    # trainer's routers choose; "r2": the update (every mini-batch and n_sgd pass) replays the routes
+    # of the old-policy log-prob pass; "r3": the old-log-prob pass and the update replay the routes
+    # the rollout engine chose when it sampled (the engines return them). Refused for dense models.
+    routing_replay: RoutingReplayMode = "off"
+    # MoE: the engines return their routes and each step logs moe/router_agreement (the share of
+    # (token, layer) top-k sets the trainer's own routers choose as the engine did) and
+    # moe/train_infer_logp_gap_free (the log-prob gap without replay); with routing_replay r3 that
+    # takes one more forward pass over the batch. Refused for dense models.
+    router_agreement: bool = False
 
     def validate(self) -> None:
         super().validate()
@@ -281,6 +292,7 @@ class AlgoConfig(ConfigBase):
         if self.policy_loss not in POLICY_LOSSES:
             self.fail("policy_loss", POLICY_LOSSES.unknown_message(self.policy_loss))
         check_choice(self, "truncation_mask", get_args(TruncationMask))
+        check_choice(self, "routing_replay", get_args(RoutingReplayMode))
         check_choice(self, "loss_agg", get_args(LossAgg))
         if self.wrong_reward >= self.correct_reward:
             self.fail("wrong_reward", f"must be < correct_reward ({self.correct_reward}), "
@@ -300,3 +312,9 @@ class AlgoConfig(ConfigBase):
         if self.clip.dual_clip_c is not None and loss not in PPO_SURROGATE_LOSSES:
             self.fail("clip.dual_clip_c", f"dual clip caps the PPO surrogate of "
                                           f"{list(PPO_SURROGATE_LOSSES)}; policy_loss {loss!r} has none")
+
+    @property
+    def engine_routes(self) -> bool:
+        """The engines must return each token's MoE routes (r3 replays them; the agreement metric
+        compares with them)."""
+        return self.routing_replay == "r3" or self.router_agreement

@@ -292,6 +292,29 @@ def expert_load(data: RunData) -> go.Figure:
     _stages(fig, data, rows=2)
     _xaxis(fig, rows=2)
     return fig
+def routing(data: RunData) -> go.Figure:
+    """MoE routing replay: how often the trainer's routers agree with the engine's, and the
+    train-inference log-prob gap with and without replaying the engine's routes."""
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        subplot_titles=("(token, layer) top-k sets the trainer's routers choose as the engine did",
+                                        "mean |log π_trainer − log π_engine| of the response tokens"))
+    keys = ("moe/router_agreement", "moe/train_infer_logp_gap_free", "moe/train_infer_logp_gap_replay")
+    if not any(k in data.metrics for k in keys):
+        return _note(fig.update_layout(**LAYOUT), "no routing-replay metrics (a dense model, or algo.routing_replay "
+                                                  "off and algo.router_agreement false)")
+    x, y = data.series("moe/router_agreement")
+    if x:
+        fig.add_trace(go.Scatter(x=x, y=y, name="router agreement", line=dict(color="#1f77b4")), row=1, col=1)
+    for key, name, color in (("moe/train_infer_logp_gap_free", "gap, trainer's own routes", NEG),
+                             ("moe/train_infer_logp_gap_replay", "gap, engine's routes replayed (r3)", POS)):
+        x, y = data.series(key)
+        if x:
+            fig.add_trace(go.Scatter(x=x, y=y, name=name, line=dict(color=color)), row=2, col=1)
+    fig.update_yaxes(title_text="share", row=1, col=1)
+    fig.update_yaxes(title_text="nats", type="log", row=2, col=1)
+    _stages(fig, data, rows=2)
+    _xaxis(fig, rows=2)
+    return fig.update_layout(**dict(LAYOUT, height=560))
 
 
 # (id, title, what it shows, builder). The report renders them in this order.
@@ -319,4 +342,8 @@ FIGURES = [
      "Per MoE layer and training step, the share of the layer's (token, expert) assignments that went "
      "to its most loaded (solid) and least loaded (dotted) expert: 1 / number of experts when even. "
      "Below, the load-balancing loss (1 when even) and the z-loss the objective holds.", expert_load),
+    ("routing", "MoE routing: trainer vs engine",
+     "Routing replay (algo.routing_replay, algo.router_agreement): the share of (token, layer) top-k expert "
+     "sets the trainer's own routers choose as the rollout engine did, and the train-inference log-prob gap "
+     "without replay and with the engine's routes replayed.", routing),
 ]

@@ -29,6 +29,9 @@ class SequenceBatch:
     token_fields: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
     # one value per sequence, shape [B]
     seq_fields: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # per sequence, one row per POSITION (prompt and response: len(sequence) rows, any trailing
+    # shape), e.g. the MoE routes of routing replay ([len, moe_layers, top_k])
+    position_fields: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.check()
@@ -43,7 +46,8 @@ class SequenceBatch:
         return SequenceBatch(sequences=[self.sequences[i] for i in idx],
                              prompt_lens=[self.prompt_lens[i] for i in idx],
                              token_fields={k: [v[i] for i in idx] for k, v in self.token_fields.items()},
-                             seq_fields={k: v[at] for k, v in self.seq_fields.items()})
+                             seq_fields={k: v[at] for k, v in self.seq_fields.items()},
+                             position_fields={k: [v[i] for i in idx] for k, v in self.position_fields.items()})
 
     @property
     def response_lens(self) -> list[int]:
@@ -74,6 +78,14 @@ class SequenceBatch:
                 if tuple(v.shape) != (lens[i],):
                     raise ValueError(f"SequenceBatch token_fields[{key!r}] row {i}: shape "
                                      f"{tuple(v.shape)}, expected ({lens[i]},) (response tokens)")
+        for key, values in self.position_fields.items():
+            if len(values) != n:
+                raise ValueError(f"SequenceBatch position_fields[{key!r}]: {len(values)} rows for {n} "
+                                 f"sequences")
+            for i, v in enumerate(values):
+                if v.dim() == 0 or v.shape[0] != len(self.sequences[i]):
+                    raise ValueError(f"SequenceBatch position_fields[{key!r}] row {i}: shape "
+                                     f"{tuple(v.shape)}, expected ({len(self.sequences[i])}, ...) (positions)")
         for key, v in self.seq_fields.items():
             if tuple(v.shape) != (n,):
                 raise ValueError(f"SequenceBatch seq_fields[{key!r}]: shape {tuple(v.shape)}, "

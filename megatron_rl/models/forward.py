@@ -28,6 +28,7 @@ from megatron_rl.models.layers import resolve_layer_spec
 from megatron_rl.models.micro_batches import MicroInputs, plan_micro_batches
 from megatron_rl.models.moe_signals import padding_mask as moe_padding_mask
 from megatron_rl.models.parallel import ParallelGroups, check_layout
+from megatron_rl.models.routing_replay import Routes, RoutingReplay
 
 
 def params_dtype(cfg: PolicyConfig) -> torch.dtype:
@@ -103,6 +104,7 @@ class PolicyForward:
         self.layer_spec = layer_spec  # resolved: te or local (also the parameter-name scheme)
         self.groups = groups
         self.model = model  # one chunk per virtual pipeline stage
+        self._routing: RoutingReplay | None = None  # MoE: this policy's own routers (built on first use)
 
     # ---------------------------------------------------------------- schedule plumbing
     def _token_stats(self, mb: MicroInputs, hidden: torch.Tensor, chunk, temperature: float,
@@ -139,37 +141,67 @@ class PolicyForward:
         ones = hidden.new_ones(hidden.shape[0], 1)
         return torch.cat([hidden, ones], dim=1), torch.cat([weight, bias[:, None]], dim=1)
 
-    def _run(self, micro: list[MicroInputs], step_fn, forward_only: bool):
+    def _run(self, micro: list[MicroInputs], step_fn, forward_only: bool, batch: SequenceBatch | None = None,
+             routes: Routes | None = None):
+        """The schedule over ``micro`` (of ``batch``); ``routes``: what the MoE routers replay /
+        record in this pass (:mod:`~megatron_rl.models.routing_replay`)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         g = self.groups
         g.check_current()
+        replay = self.routing_replay(routes)
 
         def forward_step(data_iterator, chunk):
             mb = next(data_iterator)
             kwargs = {}
             if self.arch.is_moe:  # padding stays out of the routers' losses and statistics
                 kwargs["padding_mask"] = moe_padding_mask(mb, bare(chunk), g)
+            if replay is not None:
+                replay.before_forward(bare(chunk), mb)
             hidden = chunk(mb.input_ids, mb.position_ids, None, **kwargs)
+            if replay is not None:
+                replay.after_forward(bare(chunk), mb)
             return hidden, partial(step_fn, mb, chunk)
 
         iters = [iter(micro) for _ in self.model]
         fb = get_forward_backward_func()
-        return fb(
-            forward_step_func=forward_step,
-            data_iterator=iters if len(iters) > 1 else iters[0],
-            model=self.model if len(self.model) > 1 else self.model[0],
-            num_microbatches=len(micro),
-            seq_length=max(mb.seq_len for mb in micro),  # before the CP split (Megatron divides)
-            micro_batch_size=max(mb.input_ids.shape[0] for mb in micro),
-            forward_only=forward_only,
-            collect_non_loss_data=forward_only,
-        )
+        try:
+            out = fb(
+                forward_step_func=forward_step,
+                data_iterator=iters if len(iters) > 1 else iters[0],
+                model=self.model if len(self.model) > 1 else self.model[0],
+                num_microbatches=len(micro),
+                seq_length=max(mb.seq_len for mb in micro),  # before the CP split (Megatron divides)
+                micro_batch_size=max(mb.input_ids.shape[0] for mb in micro),
+                forward_only=forward_only,
+                collect_non_loss_data=forward_only,
+            )
+            if replay is not None:
+                replay.gather(batch)
+        finally:
+            if replay is not None:
+                replay.finish()
+        return out
+
+    def routing_replay(self, routes: Routes | None) -> RoutingReplay | None:
+        """This policy's router replay, begun for ``routes`` (None when they ask nothing)."""
+        if routes is None or (routes.replay is None and not routes.record):
+            return None
+        if self._routing is None:
+            moe = getattr(self.arch, "moe", None)
+            if moe is None:
+                raise ValueError("MoE routes were given for a dense model (no routers to replay)")
+            self._routing = RoutingReplay([bare(c) for c in self.model], list(range(self.arch.num_layers)),
+                                          moe.num_experts, moe.top_k, self.groups,
+                                          recompute=bool(self.cfg.recompute.megatron_kwargs()))
+        self._routing.begin(routes)
+        return self._routing
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: SequenceBatch, temperature: float, with_entropy: bool = True
-                         ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """Per sequence, the response tokens' log-probs (and entropy) at ``temperature``.
+    def compute_logprobs(self, batch: SequenceBatch, temperature: float, with_entropy: bool = True,
+                         routes: Routes | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Per sequence, the response tokens' log-probs (and entropy) at ``temperature``; MoE:
+        through the experts ``routes`` replays (and records), else the routers' own.
 
         No gradient. Collective; every rank returns the full result (CPU float32 tensors).
         """
@@ -180,7 +212,7 @@ class PolicyForward:
             logp, ent = self._token_stats(mb, hidden, chunk, temperature, with_entropy)
             return mb, logp, ent
 
-        out = self._run(micro, collect, forward_only=True)
+        out = self._run(micro, collect, forward_only=True, batch=batch, routes=routes)
         lens = batch.response_lens
         offsets = [0]
         for n in lens:

@@ -115,6 +115,9 @@ def megatron_moe_kwargs(moe: MoEArch, *, ep: int, etp: int, grouped_gemm: bool) 
         # number of tokens)
         moe_token_dispatcher_type="alltoall",
         moe_router_load_balancing_type="aux_loss",
+        # routing replay (models/routing_replay.py): a RouterReplay per router, inert until the policy
+        # sets an action on it (Megatron's own top-k otherwise)
+        moe_enable_routing_replay=True,
         moe_aux_loss_coeff=0.0,
         moe_z_loss_coeff=None,
         expert_model_parallel_size=ep,

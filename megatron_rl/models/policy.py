@@ -43,6 +43,7 @@ from megatron_rl.models.micro_batches import plan_micro_batches
 from megatron_rl.models.moe_signals import MoESignals
 from megatron_rl.models.optimizer import wrap_for_training
 from megatron_rl.models.parallel import ParallelGroups
+from megatron_rl.models.routing_replay import Routes
 
 LossFn = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, float]]]
 
@@ -70,11 +71,13 @@ class MegatronPolicy(PolicyForward):
         return cls(arch, cfg, groups, model, optimizer, scheduler, layer_spec=spec)
 
     def train_step(self, batch: SequenceBatch, loss_fn: LossFn, temperature: float,
-                   with_entropy: bool, per_sequence: PerSequence | None = None) -> dict[str, float]:
+                   with_entropy: bool, per_sequence: PerSequence | None = None,
+                   routes: Routes | None = None) -> dict[str, float]:
         """One optimizer step on this mini-batch; returns reduced metrics + grad_norm and lr.
 
         ``per_sequence`` (optional) also collects per-sequence values from this forward (before
-        the update), gathered onto every rank."""
+        the update), gathered onto every rank. ``routes``: MoE routing replay (the experts every
+        token goes through, in the forward and any recomputation)."""
         g = self.groups
         micro = plan_micro_batches(batch, self.groups, self.cfg.micro_batch_tokens)
         for chunk in self.model:
@@ -109,7 +112,7 @@ class MegatronPolicy(PolicyForward):
             metrics = {k: float(v) for k, v in metrics.items()}
             return loss + keep, torch.tensor(int(mb.mask.sum()), dtype=torch.int), metrics
 
-        stored = self._run(micro, loss_step, forward_only=False)
+        stored = self._run(micro, loss_step, forward_only=False, batch=batch, routes=routes)
         moe_metrics = self.moe.end_step() if self.moe is not None else {}
         self.scheduler.step(increment=1)  # this step's learning rate (warm-up starts above 0)
         lr = self.lr

@@ -10,25 +10,29 @@ from megatron_rl.rollout.config import RolloutConfig
 
 
 def make_engine(model_path: str, cfg: RolloutConfig, *, seed: int = 0, max_model_len: int | None = None,
-                registry_dir: str | None = None, names: list[str] | None = None) -> RolloutEngine:
+                registry_dir: str | None = None, names: list[str] | None = None,
+                return_routes: bool = False) -> RolloutEngine:
     """The engine ``cfg.engine`` names: the in-process engine, or the fleet of vLLM servers
-    (found in ``registry_dir`` when launched, or at ``cfg.server_urls``)."""
+    (found in ``registry_dir`` when launched, or at ``cfg.server_urls``). ``return_routes``: every
+    completion carries its MoE routes (``Completion.routes``, :mod:`megatron_rl.rollout.routes`)."""
     if cfg.engine == "vllm" and cfg.async_.needs_streaming:
         from megatron_rl.rollout.streaming import StreamingVLLMEngine
 
-        return StreamingVLLMEngine(model_path, cfg, seed=seed, max_model_len=max_model_len)
+        return StreamingVLLMEngine(model_path, cfg, seed=seed, max_model_len=max_model_len,
+                                   return_routes=return_routes)
     if cfg.engine == "vllm":
         from megatron_rl.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, cfg, seed=seed, max_model_len=max_model_len)
+        return VLLMEngine(model_path, cfg, seed=seed, max_model_len=max_model_len, return_routes=return_routes)
     if cfg.engine == "vllm_server":
         return connect_fleet(cfg, registry_dir=registry_dir, names=names, max_model_len=max_model_len,
-                             model_path=model_path)
+                             model_path=model_path, return_routes=return_routes)
     raise ValueError(f"rollout.engine: unknown engine {cfg.engine!r}")
 
 
 def connect_fleet(cfg: RolloutConfig, *, registry_dir: str | None = None, names: list[str] | None = None,
-                  max_model_len: int | None = None, model_path: str | None = None):
+                  max_model_len: int | None = None, model_path: str | None = None,
+                  return_routes: bool = False):
     """Wait (up to ``rollout.start_timeout_s``) for the servers, then drive them as one fleet.
 
     ``external``: the servers at ``cfg.server_urls``; otherwise the ``cfg.num_engines`` engines the
@@ -36,7 +40,8 @@ def connect_fleet(cfg: RolloutConfig, *, registry_dir: str | None = None, names:
     the config key, the URL and what is wrong (:mod:`megatron_rl.rollout.identity`): a URL where
     another service answers, the same server twice, a vLLM server without the routes the trainer
     drives, one whose max model length is below ``max_model_len`` (the run's longest prompt +
-    response) or that serves another model than the policy's at ``model_path``."""
+    response) or that serves another model than the policy's at ``model_path``; with
+    ``return_routes``, one that cannot return MoE routes."""
     from megatron_rl.rollout.fleet import EngineFleet
     from megatron_rl.rollout.server import VLLMServer
 
@@ -44,7 +49,8 @@ def connect_fleet(cfg: RolloutConfig, *, registry_dir: str | None = None, names:
     if cfg.placement == "external":
         keys = [f"rollout.server_urls[{i}]" for i in range(len(cfg.server_urls))]
         check_distinct(cfg.server_urls, keys)
-        servers = [VLLMServer(url, cfg, name=f"engine{i}") for i, url in enumerate(cfg.server_urls)]
+        servers = [VLLMServer(url, cfg, name=f"engine{i}", return_routes=return_routes)
+                   for i, url in enumerate(cfg.server_urls)]
         whos = [s.url for s in servers]
         wait_healthy(servers, keys, cfg.start_timeout_s, "rollout.start_timeout_s")
     else:
@@ -58,7 +64,8 @@ def connect_fleet(cfg: RolloutConfig, *, registry_dir: str | None = None, names:
         keys = ["rollout.registry_dir"] * len(records)
         whos = [f"engine {r.name} at {r.url} ({registry.path(r.name)})" for r in records]
         check_distinct([r.url for r in records], keys, whos)
-        servers = [VLLMServer(r.url, cfg, name=r.name, workers=r.workers) for r in records]
+        servers = [VLLMServer(r.url, cfg, name=r.name, workers=r.workers, return_routes=return_routes)
+                   for r in records]
 
         def locate(name: str) -> str | None:
             rec = registry.records().get(name)

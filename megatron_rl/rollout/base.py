@@ -18,7 +18,10 @@ import asyncio
 import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # The weight version of an engine whose last sync failed part-way: its weights are a mix of old
 # and new (or corrupted) tensors until the next successful sync. Rollouts tagged with it are void.
@@ -101,6 +104,10 @@ class Completion:
     version_spans: list[tuple[int, int, int]] = field(default_factory=list)
     # Which engine sampled it.
     engine: str = ""
+    # MoE routing replay (engines started with ``return_routes``): the experts the engine's router
+    # chose, ``[len(prompt) + len(token_ids) - 1, moe_layers, top_k]`` (uint8 / int16), one row per
+    # position the engine computed, from the forward that computed it (``megatron_rl.rollout.routes``).
+    routes: "np.ndarray | None" = None
     # Multi-turn trajectories (``rollout/multi_turn.py``): 1 for each token the model sampled, 0 for
     # the tokens of a tool's observation appended between its turns (trained on never; their
     # ``logprobs`` are 0.0). Empty: every token is the model's.

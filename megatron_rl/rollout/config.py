@@ -9,6 +9,7 @@ from megatron_rl.rollout.addresses import same_servers, url_problem
 
 ENGINES = ("vllm", "vllm_server")
 PLACEMENTS = ("colocated", "dedicated", "external")
+ROUTE_SOURCES = ("auto", "native", "capture")  # megatron_rl.rollout.routes.SOURCES
 # The keys of a fleet of vLLM servers (placement, discovery, control timeouts, dispatch); the
 # in-process engine has none of these.
 SERVER_ONLY = ("placement", "engines_per_node", "server_urls", "hosts", "registry_dir", "start_timeout_s",
@@ -148,6 +149,11 @@ class RolloutConfig(ConfigBase):
     # Greedy evaluation: how many tokens the evaluation may generate (unset: the max_response_len of
     # the stage it follows). The engines are sized for it; max_prompt_len + it must fit the model.
     eval_max_tokens: int | None = ranged(None, ge=1)
+    # MoE routing replay (algo.routing_replay r3, algo.router_agreement): where the engines' per-token
+    # expert routes come from. "native": vLLM's own routed-experts output (enable_return_routed_experts;
+    # needs CUDA: vLLM's Model Runner V2); "capture": our worker extension's capture hook on vLLM's V1
+    # model runner (the CPU's way); "auto": native with CUDA, capture without.
+    routes_source: str = "auto"
     # Asynchronous GRPO and DAPO dynamic sampling: how far generation may run ahead of training.
     async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
 
@@ -155,6 +161,8 @@ class RolloutConfig(ConfigBase):
         super().validate()
         if self.engine not in ENGINES:
             self.fail("engine", f"must be one of {list(ENGINES)}, got {self.engine!r}")
+        if self.routes_source not in ROUTE_SOURCES:
+            self.fail("routes_source", f"must be one of {list(ROUTE_SOURCES)}, got {self.routes_source!r}")
         if self.placement not in PLACEMENTS:
             self.fail("placement", f"must be one of {list(PLACEMENTS)}, got {self.placement!r}")
         if self.engine == "vllm":  # the in-process engine: the fleet's keys would do nothing

@@ -24,6 +24,8 @@ from collections.abc import Iterable
 
 import torch
 
+from megatron_rl.rollout.route_capture import RoutesWorkerExtension
+
 
 def refresh_tied_layers(model: torch.nn.Module) -> int:
     """Re-run vLLM's post-load processing of every layer that shares its weight with another, so its
@@ -122,9 +124,13 @@ def serialise(weights: list[tuple[str, torch.Tensor]]) -> bytes:
     return buf.getvalue()
 
 
-class ReloadWorkerExtension:
+RELOAD_EXTENSION = "megatron_rl.rollout.reload.ReloadWorkerExtension"
+
+
+class ReloadWorkerExtension(RoutesWorkerExtension):
     """Mixed into the workers of an engine whose core runs in its own process
-    (``worker_extension_cls``): :func:`reload_in_place` of a :func:`serialise` blob, by name."""
+    (``worker_extension_cls``): :func:`reload_in_place` of a :func:`serialise` blob, by name. vLLM
+    takes one extension: this one also carries the MoE routes' methods (inert until installed)."""
 
     def mrl_reload(self, blob: bytes) -> int:
         weights = torch.load(io.BytesIO(blob), weights_only=True)

@@ -22,6 +22,7 @@ Every call has a timeout; failures are raised as :class:`EngineDied` (connection
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 import httpx
@@ -30,6 +31,8 @@ from megatron_rl.config.base import ConfigError
 from megatron_rl.rollout.base import (Completion, EngineDied, EngineError, EngineTimeout, PauseMode,
                                       RolloutEngine, SamplingSpec)
 from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.routes import (ROUTES_EXTENSION, RouteInfo, RoutesError, aborted_or, decode_npy_b64,
+                                        fit_rows, pick_rows, select_layers)
 
 
 def server_healthy(url: str, timeout_s: float = 5.0) -> bool:
@@ -89,7 +92,7 @@ def parse_choices(reply: dict, n: int, where: str) -> list[dict]:
             raise EngineError(f"{where}: {len(lps)} log-probs for {len(ids)} tokens")
         out.append({"token_ids": ids, "logprobs": lps, "text": c.get("text") or "",
                     "finish_reason": c.get("finish_reason") or "abort",
-                    "spans": c.get("weight_versions") or []})
+                    "spans": c.get("weight_versions") or [], "routed_experts": c.get("routed_experts")})
     return out
 
 
@@ -124,7 +127,9 @@ class VLLMServer(RolloutEngine):
     """A handle to one vLLM server at ``url`` (its process may be anywhere)."""
 
     def __init__(self, url: str, cfg: RolloutConfig, *, name: str | None = None,
-                 model: str | None = None, workers: int | None = None):
+                 model: str | None = None, workers: int | None = None, return_routes: bool = False):
+        """``return_routes``: completions carry their MoE routes (the server must run
+        :data:`~megatron_rl.rollout.routes.ROUTES_EXTENSION`; :meth:`connect` installs it)."""
         self.url = url.rstrip("/")
         self.cfg = cfg
         self.name = name or self.url.split("://", 1)[-1]
@@ -138,6 +143,8 @@ class VLLMServer(RolloutEngine):
         self._http = _control_client(self.url, cfg.control_timeout_s)
         self._async: httpx.AsyncClient | None = None
         self._async_loop: asyncio.AbstractEventLoop | None = None
+        self.return_routes = return_routes
+        self.route_info: RouteInfo | None = None  # what the server said at connect
 
     def retarget(self, url: str) -> None:
         """The server came back at another address (its launcher restarted it on a new port)."""
@@ -185,7 +192,29 @@ class VLLMServer(RolloutEngine):
         self._call("GET", "/health", timeout=timeout)
         self.served_model()
         self.weight_version = version_of(self.server_weight_version(), self.weight_version)
+        if self.return_routes:
+            self.route_info = self.install_routes()
         return self
+
+    def install_routes(self) -> RouteInfo:
+        """Ask the server's workers for their routes (binding the capture hook unless vLLM's own
+        routed-experts output is on): a server started without the routes extension is refused."""
+        try:
+            answer = self.collective_rpc("mrl_routes_install")
+        except EngineError as exc:
+            raise RoutesError(f"engine {self.name} ({self.url}) cannot return MoE routes: start it with "
+                              f"--worker-extension-cls {ROUTES_EXTENSION} (or an extension of it, e.g. the gloo "
+                              f"sync's; and --enable-return-routed-experts on GPUs): {exc}") from exc
+        if not answer:
+            raise RoutesError(f"engine {self.name} ({self.url}): mrl_routes_install answered nothing")
+        info = RouteInfo.from_dict(answer[0])
+        want = self.cfg.routes_source
+        if want != "auto" and info.source != want:
+            raise RoutesError(f"engine {self.name} ({self.url}) returns routes by {info.source!r}, but "
+                              f"rollout.routes_source={want!r}" + (
+                                  " (start it with --enable-return-routed-experts)" if want == "native" else
+                                  " (start it without --enable-return-routed-experts)"))
+        return info
 
     def served_model(self, timeout: float | None = None) -> str:
         """The served model's name (and its max model length, kept in ``max_model_len``); asked
@@ -302,6 +331,8 @@ class VLLMServer(RolloutEngine):
                      request_id: str | None = None) -> list[Completion]:
         """``sampling.n`` samples of one prompt; each carries the weight versions its tokens were
         sampled with (vLLM's weight-version spans: ``version_spans`` when weights changed mid-request)."""
+        if self.route_info is not None and self.route_info.source == "capture" and request_id is None:
+            request_id = f"mrl-routes-{uuid.uuid4().hex}"  # the name its routes are taken by
         body = generate_body(prompt_ids, sampling, request_id)
         version = self.weight_version
         where = f"engine {self.name} ({self.url})"
@@ -313,16 +344,56 @@ class VLLMServer(RolloutEngine):
         except httpx.TransportError as exc:
             raise EngineDied(f"{where}: generation request failed: {type(exc).__name__}: {exc}") from exc
         _raise_for_status(resp, f"{where}:")
+        choices = parse_choices(resp.json(), sampling.n, where)
+        routes = await self._routes(choices, prompt_ids, request_id, sampling.n)
         out = []
-        for c in parse_choices(resp.json(), sampling.n, where):
+        for c, rows in zip(choices, routes):
             spans = [(version_of(sp["version"], version), sp["start"], sp["end"]) for sp in c["spans"]
                      if sp["end"] > sp["start"]]
             out.append(Completion(token_ids=c["token_ids"], logprobs=c["logprobs"], text=c["text"],
                                   finish_reason=c["finish_reason"], truncated=c["finish_reason"] == "length",
                                   weight_version=spans[0][0] if spans else version,
                                   version_spans=spans if len({v for v, _, _ in spans}) > 1 else [],
-                                  engine=self.name))
+                                  engine=self.name, routes=rows))
         return out
+
+    async def _routes(self, choices: list[dict], prompt_ids: list[int], request_id: str | None,
+                      n: int) -> list:
+        """Each choice's MoE routes (None each without ``return_routes``): from the reply
+        (vLLM's own ``routed_experts``) or taken from the workers' capture (``mrl_routes_take``)."""
+        info = self.route_info
+        if info is None:
+            return [None] * len(choices)
+        where = f"engine {self.name} ({self.url}): request {request_id}"
+        if info.source == "native":
+            out = []
+            for j, c in enumerate(choices):
+                if not c["routed_experts"] and c["finish_reason"] == "abort":
+                    out.append(None)
+                    continue
+                if not c["routed_experts"]:
+                    raise RoutesError(f"{where} sample {j}: no routed_experts in the reply (is the server "
+                                      f"started with --enable-return-routed-experts?)")
+                rows = select_layers(decode_npy_b64(c["routed_experts"]), info)
+                out.append(aborted_or(c["finish_reason"], fit_rows, rows, None, prompt_ids, c["token_ids"], info,
+                                      f"{where} sample {j}"))
+            return out
+        external = GENERATE_ID_PREFIX + request_id
+        body = {"method": "mrl_routes_take", "args": [[[external, n]]], "kwargs": {}}
+        limit = self.cfg.control_timeout_s
+        try:
+            resp = await asyncio.wait_for(self._client().post("/collective_rpc", json=body, timeout=limit), limit)
+        except (httpx.TimeoutException, asyncio.TimeoutError) as exc:
+            raise EngineTimeout(f"{where}: no routes within rollout.control_timeout_s={limit:g}s") from exc
+        except httpx.TransportError as exc:
+            raise EngineDied(f"{where}: taking its routes failed: {type(exc).__name__}: {exc}") from exc
+        _raise_for_status(resp, f"{where}: POST /collective_rpc mrl_routes_take ->")
+        taken: dict = {}
+        for answer in resp.json().get("results") or []:
+            for entry in (answer or {}).values():
+                taken.setdefault(int(entry["index"]), []).append(entry)
+        return [aborted_or(c["finish_reason"], pick_rows, taken.get(j, []), prompt_ids, c["token_ids"], info,
+                           f"{where} sample {j}") for j, c in enumerate(choices)]
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
         async def run():

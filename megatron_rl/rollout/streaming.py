@@ -179,6 +179,7 @@ class StreamingVLLMEngine(VLLMEngine, GroupStream):
 
     def _deliver(self, finished) -> None:
         done = []
+        taken = self.take_routes([o for o in finished if o.request_id in self._requests])
         for out in finished:
             scored = self._scores.pop(out.request_id, None)
             if scored is not None:  # a probe (score), not a group
@@ -189,7 +190,10 @@ class StreamingVLLMEngine(VLLMEngine, GroupStream):
                 continue
             tag, on_done = entry
             self._by_tag.pop(tag, None)
-            done.append((on_done, tag, self.group(out)))
+            try:
+                done.append((on_done, tag, self.group(out, taken)))
+            except Exception as exc:  # noqa: BLE001 - delivered to the scheduler, which raises it
+                done.append((on_done, tag, exc))
         _notify(done)
 
     def _fail_all(self, exc: BaseException) -> None:

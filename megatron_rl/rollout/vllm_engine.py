@@ -19,7 +19,9 @@ import torch
 
 from megatron_rl.rollout.base import Completion, EngineTimeout, RolloutEngine, SamplingSpec
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.reload import reload_in_place, serialise
+from megatron_rl.rollout.reload import RELOAD_EXTENSION, reload_in_place, serialise
+from megatron_rl.rollout.routes import (ROUTES_EXTENSION, RouteInfo, RoutesError, aborted_or, fit_rows,
+                                        pick_rows, resolve_source, select_layers)
 
 
 def cpu_thread_binding(tensor_parallel_size: int) -> str:
@@ -53,7 +55,9 @@ class VLLMEngine(RolloutEngine):
     inherit the trainer's world), and new weights reach it serialised (:meth:`reload`)."""
 
     def __init__(self, model_path: str, cfg: RolloutConfig, *, seed: int = 0, max_model_len: int | None = None,
-                 name: str = "engine0"):
+                 name: str = "engine0", return_routes: bool = False):
+        """``return_routes``: every completion carries its MoE routes (``Completion.routes``; see
+        :mod:`megatron_rl.rollout.routes`)."""
         self.separate_core = in_trainer_world()
         if self.separate_core:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
@@ -89,8 +93,9 @@ class VLLMEngine(RolloutEngine):
         cfg.check_engine(model_path, gpus=torch.cuda.is_available())
         if cfg.expert_parallel:
             kwargs["enable_expert_parallel"] = True
+        # vLLM takes one worker extension: the reload one carries the routes' methods too.
         if self.separate_core:  # the weights arrive by a method name (a function would need pickling)
-            kwargs["worker_extension_cls"] = "megatron_rl.rollout.reload.ReloadWorkerExtension"
+            kwargs["worker_extension_cls"] = RELOAD_EXTENSION
         if not torch.cuda.is_available():
             # On CPU a step holds every scheduled prompt whole (as the servers: launcher.py): a seeded
             # prefill split over steps kills vLLM-CPU ("CPU Generator does not use offset"), and a round
@@ -100,8 +105,16 @@ class VLLMEngine(RolloutEngine):
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             # Colocated runs free the KV cache (and offload weights) while the trainer works.
             kwargs["enable_sleep_mode"] = True
+        source = resolve_source(cfg.routes_source, torch.cuda.is_available()) if return_routes else None
+        if source is not None:
+            kwargs.setdefault("worker_extension_cls", ROUTES_EXTENSION)
+            kwargs["enable_return_routed_experts"] = source == "native"
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
+        # What the engine's workers said about its routes (None: completions carry none).
+        self.route_info: RouteInfo | None = None
+        if source is not None:
+            self.route_info = RouteInfo.from_dict(self.llm.collective_rpc("mrl_routes_install")[0])
         # One worker thread: vLLM is not re-entrant; the thread only lets us time out a hung call.
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vllm-{name}")
 
@@ -115,8 +128,26 @@ class VLLMEngine(RolloutEngine):
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
         prompts, params = self.requests(prompt_ids, sampling)
-        outputs = self._call(lambda: self.llm.generate(prompts, params, use_tqdm=False))
-        return [self.group(out) for out in outputs]
+
+        def run():
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            return outputs, self.take_routes(outputs)
+
+        outputs, taken = self._call(run)
+        return [self.group(out, taken) for out in outputs]
+
+    def take_routes(self, outputs) -> dict:
+        """The captured routes of finished requests (``mrl_routes_take`` on the workers; call on
+        the engine's own thread), keyed by ``(request id, sample index)``; empty unless the
+        capture hook is the routes' source."""
+        if self.route_info is None or self.route_info.source != "capture" or not outputs:
+            return {}
+        asked = [[out.request_id, len(out.outputs)] for out in outputs]
+        taken = {}
+        for answer in self.llm.collective_rpc("mrl_routes_take", args=(asked,)):
+            for entry in (answer or {}).values():
+                taken.setdefault((entry["external"], entry["index"]), []).append(entry)
+        return taken
 
     @staticmethod
     def requests(prompt_ids: list[list[int]], sampling: SamplingSpec) -> tuple[list, list]:
@@ -138,8 +169,9 @@ class VLLMEngine(RolloutEngine):
         ) for i in range(len(prompt_ids))]
         return [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params
 
-    def group(self, out) -> list[Completion]:
-        """One vLLM ``RequestOutput`` (``n`` samples of a prompt) as completions.
+    def group(self, out, taken: dict | None = None) -> list[Completion]:
+        """One vLLM ``RequestOutput`` (``n`` samples of a prompt) as completions (with their routes
+        from ``taken``, :meth:`take_routes`, or vLLM's own ``routed_experts``).
 
         vLLM labels the tokens each weight version sampled (``weight_versions`` spans, set with
         ``set_weight_version``); without labels every token is at this engine's version."""
@@ -155,8 +187,24 @@ class VLLMEngine(RolloutEngine):
                                     finish_reason=c.finish_reason or "abort",
                                     truncated=c.finish_reason == "length",
                                     weight_version=spans[0][0] if spans else self.weight_version,
-                                    version_spans=spans if len(spans) > 1 else [], engine=self.name))
+                                    version_spans=spans if len(spans) > 1 else [], engine=self.name,
+                                    routes=self._routes(out, c, taken)))
         return group
+
+    def _routes(self, out, c, taken: dict | None):
+        info = self.route_info
+        if info is None:
+            return None
+        where = f"engine {self.name}: request {out.request_id} sample {c.index}"
+        prompt = list(out.prompt_token_ids)
+        finish = c.finish_reason or "abort"
+        if info.source == "native":
+            if c.routed_experts is None:
+                return aborted_or(finish, _missing, where)
+            return aborted_or(finish, fit_rows, select_layers(c.routed_experts, info), None, prompt,
+                              list(c.token_ids), info, where)
+        return aborted_or(finish, pick_rows, taken.get((out.request_id, c.index), []) if taken else [], prompt,
+                          list(c.token_ids), info, where)
 
     @staticmethod
     def score_request(token_ids: list[int]) -> tuple:
@@ -217,3 +265,7 @@ class VLLMEngine(RolloutEngine):
         if core is not None:  # stops the worker processes of TP > 1 now, not when collected
             core.shutdown()
         del self.llm
+
+
+def _missing(where: str):
+    raise RoutesError(f"{where}: vLLM returned no routed_experts")

@@ -54,6 +54,7 @@ from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactor
 from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
 from megatron_rl.rollout.reload import refresh_cpu_moe_experts, refresh_tied_layers
+from megatron_rl.rollout.route_capture import RoutesWorkerExtension
 from megatron_rl.sync.buckets import bucket_nbytes, group_by_dtype, host_digest, meta_tensors, nbytes, pack
 from megatron_rl.sync.group import allgather, broadcast, host_store, make_group, sender_prefix, wait_works
 from megatron_rl.sync.vllm_protocol import ServerTransport, ServerWeightSync
@@ -282,10 +283,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             _abort(group)
 
 
-class GlooWorkerExtension:
+class GlooWorkerExtension(RoutesWorkerExtension):
     """Mixed into every vLLM worker by ``--worker-extension-cls``: importing this module registers
     the gloo backend in the worker before its weight-transfer engine is built. Adds one read-only
-    method, callable through the server's ``/collective_rpc``."""
+    method, callable through the server's ``/collective_rpc``, to the MoE routes' methods (vLLM takes
+    one extension class: a server of this transport can also return routes)."""
 
     def mrl_last_weight_round(self) -> dict:
         """What this worker's gloo engine received in the last round (buckets, bytes, checksums)."""

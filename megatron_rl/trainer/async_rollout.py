@@ -347,8 +347,7 @@ class RolloutScheduler:
                 g.dispatch_version = version
                 redraw.setdefault(g.wave, []).append(g)
                 continue
-            g.completions = [Completion(**{**c, "version_spans": [tuple(x) for x in c["version_spans"]]})
-                             for c in d["completions"]]
+            g.completions = [_completion_from_dict(c) for c in d["completions"]]
             if g.partial:
                 self._continue(g, global_step + (g.wave - step))
             else:
@@ -602,11 +601,32 @@ def join_completions(part: Completion, rest: Completion) -> Completion:
                       finish_reason=rest.finish_reason, truncated=rest.truncated,
                       weight_version=spans[0][0] if spans else rest.weight_version,
                       version_spans=spans if len(versions) > 1 else [], engine=rest.engine,
-                      extra={**part.extra, **rest.extra})
+                      extra={**part.extra, **rest.extra}, routes=_join_routes(part, rest))
+
+
+def _join_routes(part: Completion, rest: Completion):
+    """MoE routes of a joined sample: each row from the forward that sampled with it first. ``rest``
+    (prompt + ``part``'s tokens) recomputed every position; the rows that predicted ``part``'s tokens
+    (all of ``part``'s rows) keep their own, the continuation's rows follow."""
+    if rest.routes is None:
+        return None
+    if part.routes is None:  # stopped before any row came back: the continuation computed them all
+        return rest.routes
+    import numpy as np
+
+    return np.concatenate([part.routes, rest.routes[len(part.routes):]])
 
 
 def _completion_dict(c: Completion) -> dict:
     return {"token_ids": list(c.token_ids), "logprobs": list(c.logprobs), "text": c.text,
             "finish_reason": c.finish_reason, "truncated": bool(c.truncated),
             "weight_version": int(c.weight_version), "version_spans": [list(s) for s in c.version_spans],
-            "loss_mask": list(c.loss_mask), "extra": dict(c.extra)}
+            "loss_mask": list(c.loss_mask), "extra": dict(c.extra),
+            # MoE routing replay: the engine's routes (a tensor: the state is loaded weights-only)
+            "routes": None if c.routes is None else torch.from_numpy(c.routes)}
+
+
+def _completion_from_dict(d: dict) -> Completion:
+    routes = d.get("routes")
+    return Completion(**{**d, "version_spans": [tuple(x) for x in d["version_spans"]],
+                         "routes": None if routes is None else routes.numpy()})

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from megatron_rl.rollout import RolloutEngine, make_engine
 from megatron_rl.rollout.launcher import LAUNCHED_ENV, EngineLauncher, node_specs
 from megatron_rl.rollout.registry import EngineRegistry, engine_name
+from megatron_rl.rollout.routes import resolve_source, server_route_args
 from megatron_rl.sync.base import server_args
 from megatron_rl.trainer.schema import max_sequence_len
 
@@ -85,6 +86,8 @@ def node_launcher(cfg: RunConfig, model_path: str, *, node: str | None = None, h
     args, env = server_args(cfg.sync)
     if gpus_per_engine is None:
         gpus_per_engine = cfg.rollout.tensor_parallel_size if _has_gpus() else 0
+    if cfg.algo.engine_routes:  # MoE routing replay: the servers return each token's routes
+        args += server_route_args(args, resolve_source(cfg.rollout.routes_source, cuda=gpus_per_engine > 0))
     specs = node_specs(node=node or node_name(), host=host or node_host(),
                        count=count or cfg.rollout.engines_per_node, model=model_path, rollout=cfg.rollout,
                        max_model_len=max_sequence_len(cfg), seed=cfg.trainer.seed, extra_args=args, env=env,
@@ -152,7 +155,7 @@ def build_engine(cfg: RunConfig, model_path: str, names: list[str] | None) -> Ro
         if names is not None:
             r = dataclasses.replace(r, num_engines=len(names))
     return make_engine(model_path, r, seed=cfg.trainer.seed, max_model_len=max_sequence_len(cfg),
-                       registry_dir=str(registry_dir(cfg)), names=names)
+                       registry_dir=str(registry_dir(cfg)), names=names, return_routes=cfg.algo.engine_routes)
 
 
 def _has_gpus() -> bool:

@@ -21,6 +21,7 @@ from megatron_rl.trainer.config import StageConfig
 from megatron_rl.trainer.context import Context
 from megatron_rl.trainer.evaluate import evaluate, record_eval, sync_weights
 from megatron_rl.trainer.no_update import NoUpdateStop, NoUpdateWatch, no_update_reason
+from megatron_rl.trainer.routing_replay import StepRouting
 from megatron_rl.trainer.state import RunDir, TrainerState
 from megatron_rl.trainer.teacher import ensure_teacher
 
@@ -192,9 +193,12 @@ def add_logprobs(policy: MegatronPolicy, reference: ReferencePolicy | None, batc
     the old policy's entropy. ``version`` is the trainer's weight version (tokens sampled by older
     ones are stale). Collective."""
     metrics: dict = {}
+    routing = StepRouting(a)  # MoE routing replay: the routes each pass replays (or records)
+    routes = None
     if needs_old_logprobs(a, batch, version):
+        routes = routing.old_pass(batch)
         masked = a.token_mask.mode != "none"
-        logp, entropy = policy.compute_logprobs(batch, temperature, with_entropy=masked)
+        logp, entropy = policy.compute_logprobs(batch, temperature, with_entropy=masked, routes=routes)
         batch.token_fields["old_logp"] = logp
         trained = [batch.trained(i) for i in range(len(batch))]  # tool observations: no log-probs, not masks
         if masked:  # chosen among the trained tokens (a tool's observation is never a candidate)
@@ -209,6 +213,8 @@ def add_logprobs(policy: MegatronPolicy, reference: ReferencePolicy | None, batc
         if versions is not None and any(bool((v != version).any()) for v in versions):
             metrics.update(logp_gap_by_staleness(logp, batch.token_fields["rollout_logp"], versions,
                                                  version, trained))
+        metrics.update(routing.after_old_pass(batch, routes, logp))
+    metrics.update(routing.diagnose(policy, batch, temperature, measured="moe/router_agreement" in metrics))
     if a.kl.enabled:
         if reference is None:
             raise RuntimeError("algo.kl.enabled needs the reference policy "
@@ -244,6 +250,7 @@ def update_policy(policy: MegatronPolicy, batch: SequenceBatch, a: AlgoConfig, t
     nothing has changed the policy yet. Also returns per-sample values of the first pass's forwards
     (:data:`phases.SAMPLE_STATS`, ``[B]`` each, batch order) for the dumps."""
     with_entropy = True  # entropy is always measured (metrics, entropy control); its grad only if used
+    routing = StepRouting(a)
     schedule = phases.optimizer_steps(batch, a, seed)
     first_pass = len(schedule) // a.n_sgd
     per_sample = {k: torch.full((len(batch),), float("nan")) for k in phases.SAMPLE_STATS}
@@ -252,7 +259,7 @@ def update_policy(policy: MegatronPolicy, batch: SequenceBatch, a: AlgoConfig, t
         loss_fn = phases.make_loss_fn(mb, a, alpha=alpha, max_response_len=max_response_len)
         ps = PerSequence(phases.sample_stats, phases.SAMPLE_STATS, len(mb)) if k < first_pass else None
         steps.append(policy.train_step(mb, loss_fn, temperature=temperature, with_entropy=with_entropy,
-                                       per_sequence=ps))
+                                       per_sequence=ps, routes=routing.update_pass(mb)))
         if ps is not None:
             for name in phases.SAMPLE_STATS:
                 per_sample[name][index] = ps.values[name]

@@ -23,6 +23,7 @@ from megatron_rl.envs.render import TurnRenderer, check_messages
 from megatron_rl.models.batch import LOSS_MASK, MicroBatch, SequenceBatch, pad_token_fields
 from megatron_rl.rewards import RewardItem, RewardManager
 from megatron_rl.rollout import Completion, RolloutConfig, RolloutEngine, SamplingSpec
+from megatron_rl.trainer import routing_replay
 
 
 @dataclass
@@ -137,6 +138,10 @@ def make_batch(ro: Rollout, algo: AlgoConfig, max_response_len: int | None = Non
         seq_fields={"advantages": adv[idx].float(), "rewards": rewards[idx].float(),
                     "group_ids": ro.group_ids[idx], "truncated": ro.truncated[idx]},
     )
+    if any(c.routes is not None for c in comps):  # MoE routing replay: the engine's routes travel along
+        batch.position_fields[routing_replay.ENGINE] = [
+            routing_replay.engine_routes(c.routes, len(seq), f"completion {i} of the batch ({c.engine})")
+            for i, (c, seq) in enumerate(zip(comps, batch.sequences))]
     metrics["batch/tokens"] = float(sum(len(c.token_ids) for c in comps))
     return batch, metrics
 

@@ -164,6 +164,21 @@ def validate_cross(cfg: RunConfig) -> None:
                                                  f"alone) or raise rollout.max_prompt_len")
     if cfg.model.tiny is not None and not cfg.model.path:
         check_model_limits(cfg, cfg.model.tiny.max_position_embeddings, "model.tiny")
+        check_routing_replay(cfg, cfg.model.tiny.is_moe, f"model.tiny.arch={cfg.model.tiny.arch!r}")
+
+
+def check_routing_replay(cfg: RunConfig, is_moe: bool, model: str) -> None:
+    """MoE routing replay (``algo.routing_replay``, ``algo.router_agreement``) needs a model with
+    experts; ``model`` names where the architecture comes from."""
+    if is_moe:
+        return
+    a = cfg.algo
+    if a.routing_replay != "off":
+        raise ConfigError("algo.routing_replay", f"{a.routing_replay!r} replays MoE routes, but {model} is a dense "
+                                                 f"model (no experts, no routers): use 'off'")
+    if a.router_agreement:
+        raise ConfigError("algo.router_agreement", f"measures MoE routing, but {model} is a dense model (no "
+                                                   f"experts, no routers): use false")
 
 
 def sampled_lengths(cfg: RunConfig) -> list[tuple[str, str, int]]:

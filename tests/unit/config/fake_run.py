@@ -100,7 +100,9 @@ class BigramPolicy:
         self.lr = 0.0
         self.steps = 0
 
-    def compute_logprobs(self, batch: SequenceBatch, temperature: float, with_entropy: bool = True):
+    def compute_logprobs(self, batch: SequenceBatch, temperature: float, with_entropy: bool = True,
+                         routes=None):
+        assert routes is None  # a dense model: nothing routes
         with torch.no_grad():
             out = [_sequence_logp(self.theta, s, p, temperature)
                    for s, p in zip(batch.sequences, batch.prompt_lens)]
@@ -108,7 +110,8 @@ class BigramPolicy:
         return [lp for lp, _ in out], ([e for _, e in out] if with_entropy else None)
 
     def train_step(self, batch: SequenceBatch, loss_fn, temperature: float, with_entropy: bool,
-                   per_sequence=None):
+                   per_sequence=None, routes=None):
+        assert routes is None  # a dense model: nothing routes
         width = max(batch.response_lens)
         rows = [_sequence_logp(self.theta, s, p, temperature)
                 for s, p in zip(batch.sequences, batch.prompt_lens)]

@@ -529,6 +529,15 @@ def observe_library_console(cfg: RunConfig, tmp: Path):
     return screen.getvalue()
 
 
+def observe_route_server_args(cfg: RunConfig, tmp: Path):
+    """The command line a node's server would run with on a GPU node (MoE routing replay: the
+    routes' worker extension, vLLM's own routed-experts output)."""
+    from megatron_rl.trainer.engines import node_launcher
+
+    launcher = node_launcher(cfg, str(tmp / "model"), node="n", host="127.0.0.1", count=1, gpus_per_engine=1)
+    return launcher.servers[0].spec.command()[1:]
+
+
 # ------------------------------------------------------------------------------- the probes
 R, D, RW, C, J, RB = observe_run, observe_data, observe_rewards, observe_code, observe_judge, \
     observe_run_broken_engine
@@ -548,6 +557,7 @@ WL = ["data.max_rows=4", "data.wrong_labels.min_samples=3", "data.wrong_labels.w
 ENV = [f"envs.default_env={fake_run.ENV}", "stages=[{name: s1, max_response_len: 100, max_steps: 2}]"]
 PASSK = ["algo.adv_estimator=passk", "algo.passk.k=3", "algo.correct_reward=0.6"]
 DISTILL = ["algo.distill.coef=1.0", "algo.distill.teacher={walk}/teacher_a"]
+SERVERS = ["rollout.engine=vllm_server", "sync.transport=gloo"]
 JUDGE = ["reward.judge.mode=main", "reward.judge.base_url={judge}", "reward.judge.model=j",
          "reward.judge.styles=[exact_boxed]"]
 
@@ -717,6 +727,12 @@ PROBES: dict[str, Probe] = {
     "reward.judge.max_concurrency": Probe("1", J, JUDGE),
     "reward.judge.max_tokens": Probe("9", J, JUDGE),
     "reward.judge.styles": Probe("[boxed_final]", J, JUDGE),
+    # MoE routing replay: the engines asked for each token's routes (a GPU node's servers: vLLM's
+    # own routed-experts output); what the trainer's passes replay is walked with the real MoE
+    # policy (tests/integration/trainer/test_routing_replay_trainer.py)
+    "algo.routing_replay": Probe("r3", observe_route_server_args, SERVERS),
+    "algo.router_agreement": Probe("true", observe_route_server_args, SERVERS),
+    "rollout.routes_source": Probe("capture", observe_route_server_args, SERVERS + ["algo.router_agreement=true"]),
     # tracking
     "tracking.wandb_mode": Probe("offline", observe_wandb),
     "tracking.wandb_project": Probe("p2", observe_wandb, ["tracking.wandb_mode=offline"]),

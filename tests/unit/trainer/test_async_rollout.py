@@ -375,6 +375,32 @@ def test_a_partial_sample_and_its_continuation_join_end_to_end_with_each_tokens_
     assert join_completions(empty, rest).token_versions() == [4, 4]
 
 
+def test_routing_replay_a_continued_sample_keeps_each_rows_first_computation():
+    """MoE routes of a joined sample: the part's rows (prompt + its tokens - 1, computed when they were
+    sampled), then the continuation's rows from the one that predicts its first token on (its prefill
+    recomputed the part's positions: those rows are not taken)."""
+    import numpy as np
+
+    from megatron_rl.trainer.async_rollout import _completion_dict, _completion_from_dict, join_completions
+
+    prompt = 4
+    part_rows = np.full((prompt + 3 - 1, 2, 2), 1, np.uint8)
+    rest_rows = np.full((prompt + 3 + 2 - 1, 2, 2), 2, np.uint8)
+    part = Completion(token_ids=[5, 6, 7], logprobs=[-0.1] * 3, text="abc", finish_reason="abort", truncated=False,
+                      weight_version=3, routes=part_rows)
+    rest = Completion(token_ids=[8, 9], logprobs=[-0.4] * 2, text="de", finish_reason="stop", truncated=False,
+                      weight_version=4, routes=rest_rows)
+    rows = join_completions(part, rest).routes
+    assert rows.shape == (prompt + 5 - 1, 2, 2)
+    assert (rows[:prompt + 2] == 1).all() and (rows[prompt + 2:] == 2).all()
+    # stopped before any row came back: the continuation's, all of them
+    assert (join_completions(Completion(**{**part.__dict__, "routes": None}), rest).routes == rest_rows).all()
+    assert join_completions(part, Completion(**{**rest.__dict__, "routes": None})).routes is None
+    # a checkpointed group keeps its routes (weights-only state)
+    back = _completion_from_dict(_completion_dict(part))
+    assert back.routes.dtype == np.uint8 and (back.routes == part_rows).all()
+
+
 class _LateStream(FakeStream):
     """Every group answers ``delay`` s after it was submitted (a fleet re-sending a request whose
     engine timed out, or waiting for restarts); ``progress``: the stream reports its progress as now

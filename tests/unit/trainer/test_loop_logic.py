@@ -36,7 +36,7 @@ class _RecordingPolicy:
     def __init__(self):
         self.steps = []
 
-    def train_step(self, mb, loss_fn, temperature, with_entropy, per_sequence=None):
+    def train_step(self, mb, loss_fn, temperature, with_entropy, per_sequence=None, routes=None):
         assert [t[0].item() for t in mb.token_fields["x"]] == mb.seq_fields["advantages"].tolist()
         self.steps.append([s[0] for s in mb.sequences])
         if per_sequence is not None:  # a per-sample value: the sequence's own number
