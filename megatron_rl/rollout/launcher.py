@@ -32,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 
+from megatron_rl.common.cpus import server_environment
 from megatron_rl.rollout.base import EngineDied, EngineError, EngineTimeout
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.lifeline import owned
@@ -117,6 +118,7 @@ class ServerSpec:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, path) if p)
         env["VLLM_SERVER_DEV_MODE"] = "1"
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        server_environment(env)  # trainer.cpu_cores: the CPUs the trainer left the servers
         env.update(self.env)
         return env
 
