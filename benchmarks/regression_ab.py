@@ -40,7 +40,7 @@ PHASES = ("gen", "reward", "logprob", "update", "sync", "dump", "other", "step")
 COMMON = ["tracking.wandb_mode=disabled", "tracking.console=false", "eval.every=0", "trainer.save_every=0",
           "sft.enabled=false", "synthetic.enabled=false"]
 TASKS = {
-    "peer": ["algo.entropy.mode=off"],
+    "peer": ["algo.entropy.mode='off'"],  # quoted: YAML reads a bare off as false
     "demo": [],
 }
 
@@ -89,8 +89,13 @@ def start(tree: Path, run_dir: Path, overrides: list[str], core: int | None, pro
 
 
 def wait(procs: dict[str, subprocess.Popen], work: Path) -> None:
+    """Wait for every run; one that fails stops the others."""
     for name, p in procs.items():
         if p.wait() != 0:
+            for other in procs.values():
+                if other.poll() is None:
+                    other.kill()
+                    other.wait()
             raise SystemExit(f"{name} failed (rc {p.returncode}); see {work}/{name}.log")
 
 
