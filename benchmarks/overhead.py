@@ -20,7 +20,7 @@ is the demo's tiny Llama (``--model``: a Hugging Face directory, e.g. the A/B be
 weights ``runs/bench_ab/sft/stage1_12/final/hf``; default: a fresh random one). The last line is one
 JSON object.
 
-    python benchmarks/overhead.py [--model DIR] [--repeats 5] [--core 1]
+    python benchmarks/overhead.py [--model DIR] [--repeats 5] [--core 1] [key.sub=value ...]
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--core", type=int, default=None)
+    ap.add_argument("overrides", nargs="*", help="config overrides on the demo's (key.sub=value)")
     args = ap.parse_args()
     if args.core is not None:
         os.sched_setaffinity(0, {args.core})
@@ -107,7 +108,7 @@ def main() -> None:
     from megatron_rl.trainer.schema import load_run_config, max_sequence_len
 
     apply_compat()
-    cfg = load_run_config(CONFIG, ["tracking.wandb_mode=disabled"])
+    cfg = load_run_config(CONFIG, ["tracking.wandb_mode=disabled", *args.overrides])
     stage = cfg.stage(STAGE)
     r = cfg.rollout
     print(f"load average before: {loadavg()} (shared 2-core machine; ratios within this run)", flush=True)

@@ -93,7 +93,6 @@ def main() -> None:
     from megatron_rl.demo.config import TinySpec
     from megatron_rl.demo.tiny import write_tiny_model
     from megatron_rl.models import OptimConfig, ParallelConfig, PolicyConfig, init_distributed
-    from megatron_rl.models.packing import pack_micro_batches
     from megatron_rl.models.policy import MegatronPolicy
 
     apply_compat()
@@ -116,9 +115,6 @@ def main() -> None:
     batch = make_batch(lengths, args.prompt, vocab, args.seed)
     loss_fn = loss_for(batch)
     real = sum(len(s) for s in batch.sequences)
-    total = [len(s) for s in batch.sequences]
-    bins = pack_micro_batches(total, list(range(len(total))), budget)
-    padded_positions = sum(len(b) * max(total[i] for i in b) for b in bins)
     layouts = {name: p._micro_batches(batch) for name, p in policies.items()}
     positions = {name: sum(mb.input_ids.numel() for mb in mbs) for name, mbs in layouts.items()}
     print(f"{len(lengths)} sequences: prompt {args.prompt} + response median {statistics.median(lengths):.0f}, "
@@ -127,7 +123,6 @@ def main() -> None:
     for name in ("padded", "packed"):
         print(f"  {name}: {len(layouts[name])} micro-batches, {positions[name]} positions, "
               f"{1 - real / positions[name]:.1%} padding")
-    assert positions["padded"] == padded_positions  # the policy's layout is the bin-packing above
 
     # warm-up (Adam's state, kernels), then the layouts alternated
     for p in policies.values():
