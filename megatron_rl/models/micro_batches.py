@@ -54,21 +54,19 @@ def make_micro_inputs(batch: SequenceBatch, index: list[int], layout: TokenLayou
     """The micro-batch of ``index`` laid out as ``layout``, this CP rank's part of it (all without
     ``cp_group``), and the positions of its response tokens."""
     seqs = [batch.sequences[i] for i in index]
-    prompts = [batch.prompt_lens[i] for i in index]
+    prompts = torch.tensor([batch.prompt_lens[i] for i in index], dtype=torch.long)
     ids, positions = layout.inputs(seqs)
-    pos_s, pos_b, row, col, labels = [], [], [], [], []
-    width = max(1, max(len(s) - p for s, p in zip(seqs, prompts)))
-    mask = torch.zeros(len(seqs), width, dtype=torch.bool)
-    for r, (s, p) in enumerate(zip(seqs, prompts)):
-        n = len(s) - p
-        ps, pb = layout.positions(r, p - 1, len(s) - 1)  # position t predicts token t + 1
-        pos_s.append(ps)
-        pos_b.append(pb)
-        row.append(torch.full((n,), r, dtype=torch.long))
-        col.append(torch.arange(n))
-        labels.append(torch.tensor(s[p:], dtype=torch.long))
-        mask[r, :n] = True
-    pos_s, pos_b, row, col, labels = (torch.cat(xs) for xs in (pos_s, pos_b, row, col, labels))
+    # every response token: position t of its sequence predicts token t + 1
+    k, p = layout.tokens()
+    response = p >= prompts[k]
+    row, p_resp = k[response], p[response]
+    s_tok, b_tok = layout.place(row, p_resp)
+    labels = ids[b_tok, s_tok]
+    pos_s, pos_b = layout.place(row, p_resp - 1)
+    col = p_resp - prompts[row]
+    counts = torch.tensor([len(x) for x in seqs], dtype=torch.long) - prompts
+    width = max(1, int(counts.max()))
+    mask = torch.arange(width)[None, :] < counts[:, None]
     if cp_group is not None and cp_group.size() > 1:
         held = cp_positions(layout.bounds, cp_group.size(), cp_group.rank())  # local order
         ids, positions = ids[:, held], positions[:, held]

@@ -153,18 +153,26 @@ class TokenLayout:
         """``(s, b)``: token ``p`` of sequence ``k`` sits at position ``s`` of row ``b``."""
         return (self.starts[k] + p, 0) if self.packed else (p, k)
 
-    def positions(self, k: int, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`where` of tokens ``first .. end - 1`` of sequence ``k``, as two index tensors."""
-        s = torch.arange(first, end) + self.starts[k]
-        return s, torch.full_like(s, 0 if self.packed else k)
+    def place(self, k: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`where` of many tokens at once: sequences ``k`` and positions ``p`` (index tensors)
+        -> ``(s, b)`` index tensors."""
+        if self.packed:
+            return torch.tensor(self.starts, dtype=torch.long)[k] + p, torch.zeros_like(k)
+        return p, k
+
+    def tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token of the micro-batch, sequence by sequence: ``(k, p)`` index tensors."""
+        lens = torch.tensor(self.lengths, dtype=torch.long)
+        k = torch.repeat_interleave(torch.arange(len(self.lengths)), lens)
+        first = torch.cumsum(lens, 0) - lens
+        return k, torch.arange(int(lens.sum())) - first[k]
 
     def inputs(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``input_ids`` and ``position_ids`` ``[rows, seq_len]`` (0 in padding; positions count
         from 0 in every segment)."""
         ids = torch.zeros(self.rows, self.seq_len, dtype=torch.long)
-        for k, seq in enumerate(sequences):
-            s, b = self.positions(k, 0, len(seq))
-            ids[b, s] = torch.tensor(seq, dtype=torch.long)
+        s, b = self.place(*self.tokens())
+        ids[b, s] = torch.tensor([t for seq in sequences for t in seq], dtype=torch.long)
         if self.packed:
             pos = torch.cat([torch.arange(b - a) for a, b in zip(self.bounds, self.bounds[1:])])[None]
         else:
