@@ -162,7 +162,7 @@ class PolicyConfig(ConfigBase):
     # Packed sequences: a micro-batch's sequences concatenated in one row without padding,
     # attention within each (THD: Transformer Engine's kernels on GPUs, ours on the CPU); false:
     # one right-padded row per sequence. Same log-probs, losses and gradients either way.
-    packed_sequences: bool = False
+    packed_sequences: bool = True
     # Megatron layer spec: te (Transformer Engine: fused norm + linear, fused/flash attention,
     # context parallelism on GPUs; needs CUDA and transformer-engine), local (Megatron-Core's own
     # layers with our attention on torch's scaled_dot_product_attention), auto (te where it can

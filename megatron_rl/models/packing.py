@@ -10,8 +10,9 @@ Two layouts of a micro-batch, one interface (:class:`TokenLayout`):
   schedule needs a fixed shape (the interleaved pipeline) or SP needs a multiple of TP. Megatron gets
   :meth:`TokenLayout.packed_seq_params` (``qkv_format="thd"``, ``cu_seqlens``): its rotary embedding
   restarts at 0 in every sequence, and the attention stays within each sequence — Transformer
-  Engine's THD kernels on GPUs; on the CPU :func:`packed_causal_attention` (torch's flash kernel on
-  sequences of similar length batched together, so the block-diagonal causal mask is never formed).
+  Engine's THD kernels on GPUs; on the CPU :func:`packed_causal_attention` (torch's fused kernel on
+  the row's sequences, those of one length batched together: the block-diagonal causal mask is never
+  formed, and nothing attends over padding).
   Every padding position belongs to some sequence's segment (after its last token) or to the tail;
   no real token attends to one (causal).
 
@@ -33,7 +34,6 @@ budget allows with their costs balanced (pipeline stages then wait little for ea
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 import itertools
 import math
@@ -222,54 +222,30 @@ def packed_layout(lengths: list[int], multiple: int, total_multiple: int = 1,
 # Attention within each packed sequence (CPU)
 
 
-def bucket_length(n: int) -> int:
-    """Sequences attended together are padded to this length: ``n`` rounded up to a quarter of
-    its power of two (at least 8), so at most ~25 % of a bucket's queries are padding."""
-    step = max(8, (1 << max(n.bit_length() - 1, 0)) // 4)
-    return round_up(n, step)
-
-
-@functools.lru_cache(maxsize=64)
-def _buckets(bounds: tuple[int, ...]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-    """Per bucket length: ``[n, L]`` gather indices into the packed rows (``bounds[-1]`` = a zero
-    row for padding) and the flat positions of the real ones; and the permutation back."""
-    total = bounds[-1]
-    by_len: dict[int, list[tuple[int, int]]] = {}
-    for a, b in zip(bounds, bounds[1:]):
-        by_len.setdefault(bucket_length(b - a), []).append((a, b))
-    out, order = [], []
-    for length, segs in sorted(by_len.items()):
-        idx = torch.full((len(segs), length), total, dtype=torch.long)
-        for r, (a, b) in enumerate(segs):
-            idx[r, : b - a] = torch.arange(a, b)
-        flat = idx.flatten()
-        keep = (flat < total).nonzero().flatten()
-        out.append((idx, keep))
-        order.append(flat[keep])
-    return out, torch.argsort(torch.cat(order))
-
-
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int],
                             scale: float, dropout: float = 0.0) -> torch.Tensor:
     """Causal attention within each packed sequence: ``q [t, heads, d]``, ``k`` / ``v
     [t, groups, d]``, sequence ``i`` = rows ``bounds[i] .. bounds[i + 1] - 1``; returns
     ``[t, heads, d]``.
 
-    Equal to one attention over the row with a block-diagonal causal mask, without forming it:
-    sequences of similar length (:func:`bucket_length`) are gathered into a ``[n, L]`` batch,
-    right-padded (a causal query never reaches the padding after its sequence), and go through
-    torch's fused kernel together; memory stays linear in the tokens.
+    Equal to one attention over the row with a block-diagonal causal mask, without forming it: the
+    row is split into its sequences (views), sequences of one length are stacked into a batch and go
+    through torch's fused kernel together (a long sequence alone), and the outputs are concatenated
+    back in order. No padding, no score matrix: memory and work are those of the sequences' own
+    attention; the split / stack / cat pass the gradient back in one copy each.
     """
-    buckets, back = _buckets(tuple(int(b) for b in bounds))
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    qs, ks, vs = (x.split(lengths) for x in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
-    ext = [torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (q, k, v)]
-    outs = []
-    for idx, keep in buckets:
-        n, length = idx.shape
-        idx = idx.to(q.device)
-        qb, kb, vb = (x[idx].permute(0, 2, 1, 3) for x in ext)  # [n, h, L, d]
-        o = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=dropout, is_causal=True,
-                                           scale=scale, enable_gqa=gqa)
-        outs.append(o.permute(0, 2, 1, 3).reshape(n * length, o.shape[1], o.shape[3])
-                    [keep.to(q.device)])
-    return torch.cat(outs)[back.to(q.device)]
+    by_len: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        by_len.setdefault(n, []).append(i)
+    outs: list[torch.Tensor | None] = [None] * len(lengths)
+    for idx in by_len.values():
+        # [g, n, h, d] -> [g, h, n, d]
+        qb, kb, vb = (torch.stack([xs[i] for i in idx]).transpose(1, 2) for xs in (qs, ks, vs))
+        o = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=dropout, is_causal=True, scale=scale,
+                                           enable_gqa=gqa)
+        for i, part in zip(idx, o.transpose(1, 2).unbind(0)):
+            outs[i] = part
+    return torch.cat(outs)
