@@ -9,13 +9,17 @@ From the demo's SFT cold start (made once, reused from ``--work``), the demo's f
 - ``async``: ``rollout.async.max_staleness=1`` on a vLLM server (one-step-off: the next wave
   generates while the trainer trains),
 
-for each of ``--seeds`` (data order and sampling seeds; same SFT checkpoint, same data and held-out
-set), both with the same objective (``--algo``, default TIS: stale samples need it, and it costs the
-synchronous run an old-log-prob pass when it takes several optimizer steps). The trainer process
-computes on core 0 and the engine (a vLLM server the trainer starts: ``vllm_server``, colocated,
-gloo sync), the reward workers and the fleet client's thread on core 1 (``trainer.cpu_cores=[0]``),
-one thread each; the in-process loop has its engine on core 0 too (its reward workers on core 1).
-Prints, per run, the GRPO wall time (the steps' summed ``timing/step``),
+for seed pairs 1, 2, ... (data order and sampling seeds; same SFT checkpoint, same data and held-out
+set) until the 95 % interval of the mean paired gap (async - sync held-out accuracy, Student t over
+the pairs) is narrower than ``--ci-points`` (2 points) with at least ``--min-pairs`` pairs, or
+``--max-pairs`` / the budget (``--budget-s``) ends; every mode with the same objective (``--algo``,
+default TIS: stale samples need it, and it costs the synchronous run an old-log-prob pass when it
+takes several optimizer steps; e.g. ``algo.policy_loss=decoupled_ppo`` for AReaL's decoupled
+objective). Finished runs are kept per objective (``--work``/<objective tag>/), so another objective
+never reuses them. The trainer process computes on core 0 and the engine (a vLLM server the trainer
+starts: ``vllm_server``, colocated, gloo sync), the reward workers and the fleet client's thread on
+core 1 (``trainer.cpu_cores=[0]``), one thread each; the in-process loop has its engine on core 0 too
+(its reward workers on core 1). Prints, per run, the GRPO wall time (the steps' summed ``timing/step``),
 the greedy held-out accuracy after the stage (``--eval-size`` problems, 2000 by default; also for the SFT
 weights themselves), the mean of the last three evaluations, and
 the step's time split; then the ratios: async vs sync (ours vs naive), the physical floor of
@@ -23,9 +27,12 @@ one-step-off, max(generation + reward, old log-probs + update) + sync per step, 
 own split, and (estimated from that split) async vs a synchronous loop that skips the old-log-prob
 pass (no TIS); and async vs the in-process loop (``wall_ratio_vs_inproc``, target <= 0.8, and the
 accuracies). The last line is one JSON object: ``{"wall_ratio", "accuracy_sync",
-"accuracy_async", "wall_ratio_vs_inproc", ...}`` (medians over seeds).
+"accuracy_async", "paired_gap_mean_points", "paired_gap_ci95_points", "settled", "objective",
+"wall_ratio_vs_inproc", ...}`` (medians over seeds; the paired gap's mean and interval over the
+finished pairs, for the final evaluation and for the mean of the last three).
 
-    python benchmarks/async_speedup.py [--steps 100] [--seeds 1 2] [--work runs/bench_async]
+    python benchmarks/async_speedup.py [--steps 100] [--min-pairs 6] [--max-pairs 12] [--budget-s 3600]
+        [--algo algo.policy_loss=decoupled_ppo] [--work runs/bench_async]
 
 The SFT checkpoint and every finished run are kept in ``--work`` and reused, so the script can be
 run in pieces (``--seeds 1``, then ``--seeds 1 2``). The box is shared: the load average is printed
@@ -98,6 +105,29 @@ class Budget:
 
 BUDGET = Budget()
 
+# Two-sided 95 % Student t quantiles, t(0.975, df) for df = 1..30 (1.96 beyond).
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+        2.052, 2.048, 2.045, 2.042]
+
+
+def paired_interval(gaps: list[float]) -> tuple[float, float]:
+    """Mean of the paired gaps and the half-width of its 95 % interval (inf below two pairs)."""
+    n = len(gaps)
+    mean = statistics.mean(gaps) if gaps else float("nan")
+    if n < 2:
+        return mean, float("inf")
+    t = T975[n - 2] if n - 1 <= len(T975) else 1.96
+    return mean, t * statistics.stdev(gaps) / n ** 0.5
+
+
+def objective_tag(algo: list[str]) -> str:
+    """A short name of the objective's overrides, for the run directories."""
+    import hashlib
+
+    return "tis_token" if algo == ["algo.mismatch.mode=tis_token"] else \
+        "obj_" + hashlib.sha1(" ".join(sorted(algo)).encode()).hexdigest()[:8]
+
 
 def loadavg() -> str:
     return Path("/proc/loadavg").read_text().strip()
@@ -122,7 +152,7 @@ def train(run_dir: Path, overrides: list[str]) -> None:
         raise SystemExit(f"{' '.join(cmd)} failed (rc {rc}); see {log.name}")
 
 
-def sft_checkpoint(work: Path, eval_size: int) -> Path:
+def sft_checkpoint(work: Path, eval_size: int, sft_args: list[str]) -> Path:
     """The demo's cold start (configs/demo_cpu.yaml's sft section), once; its data (written by the
     demo's generator) holds ``eval_size`` held-out problems."""
     sft = work / "sft"
@@ -137,7 +167,7 @@ def sft_checkpoint(work: Path, eval_size: int) -> Path:
         # is the SFT weights' held-out accuracy
         # the in-process engine (the demo's): the cold start is not timed, and it is the same
         # checkpoint whichever engine sampled its validation answers
-        train(sft, ["stages.0.max_steps=1", f"synthetic.eval_size={eval_size}"])
+        train(sft, ["stages.0.max_steps=1", f"synthetic.eval_size={eval_size}", *sft_args])
         BUDGET.record("sft", time.perf_counter() - t0)
         print(f"  done in {time.perf_counter() - t0:.0f} s", flush=True)
     return sft
@@ -193,8 +223,11 @@ def final_weights_check(run_dir: Path, eval_path: Path) -> dict:
 
 def grpo_run(work: Path, sft: Path, mode: str, seed: int, steps: int, algo: list[str], make: bool = True,
              eval_every: int = 10) -> dict | None:
-    """One GRPO run's figures; made first if it is not in ``work`` yet and ``make`` (else None)."""
-    run_dir = work / f"{mode}_seed{seed}"
+    """One GRPO run's figures; made first if it is not in ``work`` yet and ``make`` (else None).
+    The runs of one objective live in ``work/<objective tag>/`` (the first objective's, TIS, in
+    ``work`` itself, where the earlier sessions' runs are)."""
+    tag = objective_tag(algo)
+    run_dir = (work if tag == "tis_token" else work / tag) / f"{mode}_seed{seed}"
     if not (run_dir / STAGE / "final" / "trainer_state.json").exists():
         if not make or not BUDGET.allows(mode):
             return None
@@ -260,7 +293,14 @@ def main() -> None:
 
     p = ArgumentParser(prog="python benchmarks/async_speedup.py", command="async_speedup")
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--seeds", type=int, nargs="*", default=[1, 2])
+    # The seeds of the pairs, in order (default 1 .. --max-pairs): pairs are run until the 95 %
+    # interval of the mean paired gap is narrower than --ci-points with at least --min-pairs pairs.
+    p.add_argument("--seeds", type=int, nargs="*", default=None)
+    p.add_argument("--min-pairs", type=int, default=6)
+    p.add_argument("--max-pairs", type=int, default=12)
+    p.add_argument("--ci-points", type=float, default=2.0)
+    # Overrides of the SFT cold start (e.g. a smaller sft.stop_accuracy for a smoke run).
+    p.add_argument("--sft-args", nargs="*", default=[])
     # Which runs to make (finished runs are reused): one locked command per (seed, mode) keeps each
     # piece short on a shared box; the summary covers every finished run of --seeds.
     p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
@@ -279,21 +319,38 @@ def main() -> None:
     args = p.parse_args()
     # the runs' config with --algo's overrides, checked now: a bad key is one line here, not a failed
     # run's log after the SFT cold start
-    load_run_config(CONFIG, list(args.algo)).stage(STAGE)
+    run_cfg = load_run_config(CONFIG, list(args.algo))
+    run_cfg.stage(STAGE)
+    a = run_cfg.algo
+    objective = {"policy_loss": a.policy_loss, "mismatch": a.mismatch.mode, "mini_batches": a.mini_batches,
+                 "n_sgd": a.n_sgd, "overrides": list(args.algo), "tag": objective_tag(list(args.algo))}
+    if a.policy_loss == "decoupled_ppo":
+        objective["decoupled"] = a.decoupled.to_dict()
+    seeds = args.seeds if args.seeds is not None else list(range(1, args.max_pairs + 1))
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("needs two cores (engine and trainer each on one)")
     BUDGET.setup(args.work, args.budget_s)
     print(f"load average before: {loadavg()}", flush=True)
-    sft = sft_checkpoint(args.work, args.eval_size)
+    sft = sft_checkpoint(args.work, args.eval_size, args.sft_args)
     sft_acc = json.loads((sft / "run_state.json").read_text())["eval"]["start"]["eval/accuracy"]
     print(f"held-out accuracy after the SFT cold start: {sft_acc:.3f}; GRPO overrides: {args.algo}")
-    runs = []
-    for seed in args.seeds:
-        for mode in MODES:
+    print(f"objective: {objective}", flush=True)
+    runs, gaps = [], []
+    for seed in seeds:
+        pair = {}
+        for mode in MODES:  # the pair (sync, async) makes the gap; inproc beside it
             r = grpo_run(args.work, sft, mode, seed, args.steps, args.algo, make=mode in args.modes,
                          eval_every=args.eval_every)
             if r is not None:
                 runs.append(r)
+                pair[mode] = r
+        if len(pair) == 2:
+            gaps.append(pair["async"]["accuracy"] - pair["sync"]["accuracy"])
+            mean, half = paired_interval(gaps)
+            print(f"  after {len(gaps)} pairs: mean paired gap {100 * mean:+.2f} points, 95 % interval "
+                  f"+-{100 * half:.2f}", flush=True)
+            if len(gaps) >= args.min_pairs and 100 * half < args.ci_points:
+                break
     # The summary pairs the two modes seed by seed: only seeds with both runs finished count.
     complete = {r["seed"] for r in runs if r["mode"] == "sync"} & {r["seed"] for r in runs if r["mode"] == "async"}
     inproc_seeds = {r["seed"] for r in runs if r["mode"] == "inproc"} & {r["seed"] for r in runs if r["mode"] == "async"}
@@ -323,12 +380,15 @@ def main() -> None:
         print(json.dumps({"accuracy_sft": sft_acc, **versus_inproc(runs, inproc_seeds), "steps": args.steps,
                           "algo": args.algo, "load": loadavg()}))
         return
-    runs = [r for r in runs if r["seed"] in complete]
+    every, runs = runs, [r for r in runs if r["seed"] in complete]
     keys = ("wall_s", "accuracy", "accuracy_last3", "reward_last")
     med = {m: {k: statistics.median(r[k] for r in runs if r["mode"] == m) for k in keys} for m in ("sync", "async")}
     by = {(r["mode"], r["seed"]): r for r in runs}
-    paired = [by["async", sd]["accuracy"] - by["sync", sd]["accuracy"] for sd in args.seeds
-              if ("async", sd) in by and ("sync", sd) in by]
+    both = [sd for sd in seeds if ("async", sd) in by and ("sync", sd) in by]
+    paired = [by["async", sd]["accuracy"] - by["sync", sd]["accuracy"] for sd in both]
+    paired_last3 = [by["async", sd]["accuracy_last3"] - by["sync", sd]["accuracy_last3"] for sd in both]
+    gap_mean, gap_half = paired_interval(paired)
+    last3_mean, last3_half = paired_interval(paired_last3)
     sync_acc = [r["accuracy"] for r in runs if r["mode"] == "sync"]
     # The noise floor: how far two synchronous runs (same SFT weights, same held-out set, another
     # seed) land apart; an async-sync gap inside it cannot be told from seed noise.
@@ -352,6 +412,10 @@ def main() -> None:
            "accuracy_gap_points": 100 * (med["async"]["accuracy"] - med["sync"]["accuracy"]),
            "paired_gap_points_median": 100 * statistics.median(paired) if paired else None,
            "paired_gap_points": [round(100 * d, 1) for d in paired],
+           "paired_gap_mean_points": 100 * gap_mean, "paired_gap_ci95_points": 100 * gap_half,
+           "paired_gap_last3_mean_points": 100 * last3_mean, "paired_gap_last3_ci95_points": 100 * last3_half,
+           "pairs": len(paired), "settled": len(paired) >= args.min_pairs and 100 * gap_half < args.ci_points,
+           "objective": objective,
            "sync_spread_points": 100 * sync_spread, "sync_sd_points": 100 * sync_sd,
            "eval_se_points": 100 * (0.25 / n) ** 0.5, "eval_n": n,
            "accuracy_last3_sync": med["sync"]["accuracy_last3"], "accuracy_last3_async": med["async"]["accuracy_last3"],
@@ -365,7 +429,12 @@ def main() -> None:
            "floor_ratio": statistics.median(floors), "wall_sync_s": med["sync"]["wall_s"],
            "wall_async_s": med["async"]["wall_s"], "steps": args.steps,
            "seeds": sorted({r["seed"] for r in runs}), "algo": args.algo, "load": loadavg(),
-           **versus_inproc(runs, inproc_seeds)}
+           **versus_inproc(every, inproc_seeds)}
+    print(f"paired gap async - sync over {len(paired)} pairs: final evaluation {out['paired_gap_mean_points']:+.2f} "
+          f"+- {out['paired_gap_ci95_points']:.2f} points (95 %), mean of the last three evaluations "
+          f"{out['paired_gap_last3_mean_points']:+.2f} +- {out['paired_gap_last3_ci95_points']:.2f}; "
+          f"{'settled' if out['settled'] else 'NOT settled'} (needs >= {args.min_pairs} pairs and an "
+          f"interval narrower than +-{args.ci_points} points); objective {objective['tag']}: {args.algo}")
     print(f"\nasync / sync wall time: {out['wall_ratio']:.3f} (one-step-off floor from the sync split: "
           f"{out['floor_ratio']:.3f}; against a sync loop without the old-log-prob pass, estimated: "
           f"{out['wall_ratio_vs_sync_without_logprob_est']:.3f})")

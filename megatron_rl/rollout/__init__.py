@@ -74,16 +74,18 @@ def connect_fleet(cfg: RolloutConfig, *, registry_dir: str | None = None, names:
 
 
 def group_stream(engine: RolloutEngine, streaming: bool):
-    """The :class:`~megatron_rl.rollout.streaming.GroupStream` the async scheduler drives for ``engine``: the streaming in-process engine itself; with
-    ``streaming`` (partial rollouts, oversampling) the fleet of servers as a
-    :class:`~megatron_rl.rollout.fleet_stream.FleetStream`; anything else through
-    :class:`BackgroundGenerate` (a wave at once, in prompt order: today's loop exactly)."""
+    """The :class:`~megatron_rl.rollout.streaming.GroupStream` the async scheduler drives for ``engine``: the streaming in-process engine itself; the fleet
+    of servers as a :class:`~megatron_rl.rollout.fleet_stream.FleetStream` (one named request per prompt,
+    each group delivered as it finishes, leftovers stoppable: a preemption keeps the finished groups;
+    the step trains them in draw order, so the samples and batches are those of one ``generate``);
+    anything else through :class:`BackgroundGenerate` (a wave at once, in prompt order: today's
+    loop exactly). ``streaming`` (partial rollouts, oversampling) needs one of the first two."""
     from megatron_rl.rollout.fleet import EngineFleet
     from megatron_rl.rollout.streaming import BackgroundGenerate, GroupStream
 
     if isinstance(engine, GroupStream):
         return engine
-    if streaming and isinstance(engine, EngineFleet):
+    if isinstance(engine, EngineFleet):
         from megatron_rl.rollout.fleet_stream import FleetStream
 
         return FleetStream(engine)

@@ -36,7 +36,7 @@ class AsyncConfig(ConfigBase):
     oversample: float = ranged(0.0, ge=0.0)
     # DAPO dynamic sampling: keep drawing prompts until the step has rollout_batch_size groups with
     # reward variance (zero-variance groups are generated, counted and dropped). Needs
-    # algo.filter_zero_variance_groups.
+    # algo.filter_zero_variance_groups; refused with algo.distill (every group trains there).
     dynamic_sampling: bool = False
     # Cap of dynamic sampling: at most this many times rollout_batch_size prompts are drawn for one
     # step; a step that reaches it trains on the groups it has. Refused without dynamic_sampling.
@@ -87,7 +87,8 @@ class RolloutConfig(ConfigBase):
     # vllm_server: directory where launched engines register (host, port, model, version); empty:
     # RUN_DIR/engines.
     registry_dir: str = ""
-    # vllm_server: seconds to wait for the engines to register and answer /health at start-up.
+    # vllm_server: seconds to wait for the engines to register and answer /health at start-up, and,
+    # when every engine is lost (mid-step or at a sync), for their launchers to restart some.
     start_timeout_s: float = ranged(900.0, gt=0.0)
     # vllm_server: seconds a control call (/health, /pause, /reset_prefix_cache, ...) may take.
     control_timeout_s: float = ranged(30.0, gt=0.0)

@@ -23,6 +23,20 @@ requests are cancelled and re-sent to the others with the same seeds (counted in
 :meth:`admit` puts it back. An engine that answers but says it holds other weights than those it was
 verified with (restarted silently between steps) is taken out the same way.
 
+Losing every engine: when none is up, a request waits (up to ``rollout.start_timeout_s``) for the
+launchers to restart some, and the fleet's *reviver* (:meth:`set_reviver`: the weight sync, which
+keeps the last weights it sent) loads the current weights into each one that answers again and
+verifies them before it is admitted (``rollout/revivals``); then the waiting requests go out, with
+their own seeds. Without a reviver (or when none comes back in time) the request fails.
+
+Weight loads: a sync round takes each engine's weights apart between vLLM's ``/start_weight_update``
+and ``/finish_weight_update`` (its layerwise reload leaves them on the meta device), and a forward
+pass in between kills the engine core. So :meth:`hold` pauses every engine a round loads (mode
+keep: nothing is scheduled, whatever still runs there: a hedged request's losing copy being
+aborted, a request the fleet gave up on, one dispatched meanwhile, which waits) and the sync resumes
+each one only after its finish, before its probe (:meth:`resume_paused`; what it returns before its
+probe passed is held, and re-sent if it fails).
+
 The fleet runs its own asyncio loop in a background thread: :meth:`generate` (a batch, blocking) and
 :meth:`submit` (one prompt; a coroutine for that loop) and :meth:`submit_threadsafe` (one prompt,
 from any thread: a ``concurrent.futures.Future``) all dispatch through it, so an asynchronous
@@ -37,6 +51,7 @@ import enum
 import logging
 import statistics
 import threading
+import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -68,6 +83,8 @@ class _Slot:
     # rollouts): what it returns meanwhile is held until it is admitted (or re-sent if it fails).
     verified: asyncio.Event | None = None
     served: int = 0       # sequences served since the last pop_metrics
+    # Paused by the fleet (pause(), hold()): the engine schedules nothing until it is resumed.
+    paused: bool = False
     tasks: set = field(default_factory=set)
     # seconds its recent answered requests took (what tail hedging compares against)
     latencies: deque = field(default_factory=lambda: deque(maxlen=32))
@@ -125,7 +142,13 @@ class EngineFleet(RolloutEngine):
         self._hedge_timer: asyncio.TimerHandle | None = None
         self._paused = False  # between pause() and resume()
         self._pause_mode: PauseMode = "keep"
-        self._let_run: set[str] = set()  # engines resume_paused() let run while the fleet is paused
+        # When no engine is up: reviver(engines) loads and verifies the current weights into engines
+        # that answer again (set by the weight sync); None: a request then fails.
+        self._reviver = None
+        self._revival: asyncio.Future | None = None
+        self._revivals = 0
+        # time.monotonic() of the last dispatch, answer or revival step (see last_progress)
+        self._progress = time.monotonic()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=f"{name}-loop", daemon=True)
         self._thread.start()
@@ -217,6 +240,7 @@ class EngineFleet(RolloutEngine):
                     connect()
             except EngineError:
                 return False
+            slot.paused = _reported_paused(engine)  # a new process is not; a stopped one may be
         elif slot.state is EngineState.UP:
             reported = _reported_version(engine)
             if reported is None or reported == str(engine.weight_version):
@@ -224,11 +248,74 @@ class EngineFleet(RolloutEngine):
             log.warning("engine %s reports weight version %r, verified %d: it restarted",
                         engine.name, reported, engine.weight_version)
             engine.weight_version = UNKNOWN_VERSION
+            self._loop.call_soon_threadsafe(self._signal_down, slot)  # its requests go elsewhere
+            slot.paused = _reported_paused(engine)
         else:
             return False
         with self._lock:
             slot.state, slot.reason = EngineState.JOINING, ""
         return True
+
+    def wait_for_engines(self, timeout_s: float, poll_s: float = 1.0) -> list[RolloutEngine]:
+        """Until some engine can take part in a sync (live, rejoining, or DOWN and answering again:
+        :meth:`probe`), at most ``timeout_s``: the engines a sync would load (empty: none came back)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.probe()
+            targets = self.sync_targets()
+            if targets or time.monotonic() >= deadline:
+                return targets
+            time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+    def set_reviver(self, reviver) -> None:
+        """``reviver()`` (from a worker thread, when no engine is up and some answer again): load the
+        current weights into the engines :meth:`sync_targets` names, verify and :meth:`admit` them (the
+        weight sync registers itself); raises or leaves none up when it cannot. None: no revival."""
+        self._reviver = reviver
+
+    @property
+    def reviver(self):
+        return self._reviver
+
+    def _revive(self) -> None:
+        """No engine is up: wait up to ``rollout.start_timeout_s`` for restarts, and have the reviver
+        load and verify the current weights into those that answer again (runs in a worker thread)."""
+        timeout = self.cfg.start_timeout_s
+        deadline = time.monotonic() + timeout
+        log.warning("no engine is up (%s): waiting up to rollout.start_timeout_s=%gs for restarts",
+                    self._describe(), timeout)
+        last = ""
+        while not self.live():
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.wait_for_engines(left):
+                raise EngineError(f"no engine is up, and none came back within rollout.start_timeout_s="
+                                  f"{timeout:g}s: {self._describe()}" + (f"; last revival: {last}" if last else ""))
+            reviver = self._reviver
+            if reviver is None:
+                raise EngineError(f"no engine is up and nothing can load weights into those that came back: "
+                                  f"{self._describe()}")
+            try:
+                reviver()
+            except Exception as exc:  # noqa: BLE001 - the engines it failed are out again; try until the deadline
+                last = f"{type(exc).__name__}: {exc}"
+                log.warning("reviving the fleet failed: %s", last)
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        with self._lock:
+            self._revivals += 1
+        log.info("engines back in service after a total loss: %s", [e.name for e in self.live()])
+
+    def last_progress(self) -> float:
+        """``time.monotonic()`` of the fleet's last progress: a request sent or re-sent, a copy
+        answered, or now while a revival runs (it waits up to ``rollout.start_timeout_s`` for
+        restarts, bounded by itself). A caller's watchdog counts ``rollout.timeout_s`` from it: a request
+        re-sent after its engine timed out, or waiting for a revival, has not hung."""
+        if self._revival is not None and not self._revival.done():
+            return time.monotonic()
+        return self._progress
+
+    def _describe(self) -> str:
+        return "; ".join(f"{s.engine.name} {s.state.value}" + (f" ({s.reason})" if s.reason else "")
+                         for s in self._slots)
 
     # ------------------------------------------------------------------------------- dispatch
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
@@ -278,6 +365,7 @@ class EngineFleet(RolloutEngine):
 
     def _launch(self, flight: _Flight, slot: _Slot) -> None:
         """Send a copy of ``flight`` to ``slot`` (its room is already taken)."""
+        self._progress = time.monotonic()
         if not flight.copies:
             flight.primary, flight.started = slot, self._loop.time()
         flight.copies[asyncio.ensure_future(self._copy(flight, slot))] = slot
@@ -289,6 +377,7 @@ class EngineFleet(RolloutEngine):
         t0 = self._loop.time()
         try:
             out = await self._send(slot, flight.prompt_ids, flight.sampling, flight.wire_id)
+            self._progress = time.monotonic()
             if flight.answered:  # a losing copy, aborted: its time says nothing of the engine's speed
                 return out
             slot.latencies.append(self._loop.time() - t0)
@@ -362,7 +451,7 @@ class EngineFleet(RolloutEngine):
         if self._waiting or self._paused or not self._flights:
             return
         now, due_next = self._loop.time(), None
-        up = [s for s in self._slots if s.state is EngineState.UP and s.typical() is not None]
+        up = [s for s in self._slots if s.state is EngineState.UP and not s.paused and s.typical() is not None]
         for flight in sorted(self._flights, key=lambda f: f.started):
             if len(flight.copies) != 1:
                 continue
@@ -450,8 +539,9 @@ class EngineFleet(RolloutEngine):
 
     async def _until_verified(self, slot: _Slot) -> None:
         """Hold a result of an engine that runs unverified weights until the sync admits it; if the
-        sync fails it instead (or does not settle within ``rollout.timeout_s``), the request is
-        re-sent: its later tokens came from weights that failed their check."""
+        sync fails it instead, the request is re-sent: its later tokens came from weights that failed
+        their check. One not verified within ``rollout.timeout_s`` is taken out (unknown weights,
+        it rejoins the next sync) and the request re-sent elsewhere."""
         verified = asyncio.ensure_future(slot.verified.wait())
         down = asyncio.ensure_future(slot.down.wait())
         try:
@@ -459,29 +549,44 @@ class EngineFleet(RolloutEngine):
         finally:
             verified.cancel()
             down.cancel()
-        if slot.down.is_set() or not slot.verified.is_set():
-            raise _Requeue(f"engine {slot.engine.name} resumed with new weights that "
-                           + (f"failed their check ({slot.reason})" if slot.down.is_set() else
-                              f"were not verified within rollout.timeout_s={self.cfg.timeout_s:g}s"))
+        if slot.down.is_set():
+            raise _Requeue(f"engine {slot.engine.name} resumed with new weights that failed their check "
+                           f"({slot.reason})")
+        if not slot.verified.is_set():  # out until a sync verifies it (the other requests held there too)
+            reason = (f"engine {slot.engine.name} resumed with new weights that were not verified within "
+                      f"rollout.timeout_s={self.cfg.timeout_s:g}s")
+            if slot.state is EngineState.UP:
+                self.mark_unknown(slot.engine, reason)
+            raise _Requeue(reason)
 
     async def _acquire(self, n: int) -> _Slot:
-        async with self._changed:
-            while True:
-                up = [s for s in self._slots if s.state is EngineState.UP]
-                if not up:
-                    raise EngineError("no engine is up: " + "; ".join(
-                        f"{s.engine.name} {s.state.value}" + (f" ({s.reason})" if s.reason else "")
-                        for s in self._slots))
-                room = [s for s in up if s.has_room(n, self.capacity)]
-                if room:
-                    slot = min(room, key=lambda s: s.outstanding)  # ties: the first engine
-                    slot.outstanding += n
-                    return slot
-                self._waiting += 1
-                try:
-                    await self._changed.wait()
-                finally:
-                    self._waiting -= 1
+        while True:
+            async with self._changed:
+                while True:
+                    up = [s for s in self._slots if s.state is EngineState.UP]
+                    if not up:
+                        break
+                    room = [s for s in up if s.has_room(n, self.capacity)]
+                    if room:
+                        slot = min(room, key=lambda s: s.outstanding)  # ties: the first engine
+                        slot.outstanding += n
+                        return slot
+                    self._waiting += 1
+                    try:
+                        await self._changed.wait()
+                    finally:
+                        self._waiting -= 1
+            if self._reviver is None:
+                raise EngineError("no engine is up: " + self._describe())
+            await self._revived()
+
+    async def _revived(self) -> None:
+        """One revival at a time (:meth:`_revive`, in a worker thread), awaited by every request
+        that found no engine up; its failure is theirs."""
+        if self._revival is None or self._revival.done():
+            self._revival = asyncio.ensure_future(asyncio.to_thread(self._revive))
+            self._revival.add_done_callback(lambda _: self._notify())
+        await asyncio.shield(self._revival)
 
     def _release(self, slot: _Slot, n: int) -> None:
         slot.outstanding -= n
@@ -518,60 +623,81 @@ class EngineFleet(RolloutEngine):
 
     # ------------------------------------------------------------------------- fan-out control
     def _each_live(self, fn, *args) -> None:
-        for engine in self.live():
+        """``fn(engine)`` on every live engine, all at once (one that fails is marked down)."""
+        def call(engine) -> None:
             try:
                 fn(engine, *args)
             except EngineError as exc:
                 self.mark_down(engine, str(exc))
+
+        self._each(call, self.live())
+
+    @staticmethod
+    def _each(fn, items: list) -> None:
+        if len(items) == 1:
+            fn(items[0])
+        elif items:
+            with cf.ThreadPoolExecutor(max_workers=len(items), thread_name_prefix="fleet-ctl") as pool:
+                list(pool.map(fn, items))
 
     def reset_prefix_cache(self) -> None:
         self._each_live(lambda e: e.reset_prefix_cache())
 
     def pause(self, mode: PauseMode = "keep") -> None:
         self._paused, self._pause_mode = True, mode
-        self._let_run.clear()
-        self._each_live(lambda e: e.pause(mode))
+
+        def pause(engine):
+            engine.pause(mode)
+            self._slot(engine).paused = True
+        self._each_live(pause)
 
     def hold(self) -> None:
-        """Before each weight-sync round while the fleet is paused: the engines :meth:`resume_paused`
-        let run for an earlier round's probe (partial rollouts: their frozen requests went on) pause
-        again, so that none is generating when the round's /start_weight_update takes its weights
-        apart (vLLM's layerwise reload leaves them on the meta device until the finish: a forward
-        pass in between kills the engine core, "onednn_mm ... Meta tensors"). sync_weights' retry
-        after an incomplete round is such a round."""
-        if not self._paused:
-            return
-        for engine in self.sync_targets():
-            if engine.name in self._let_run:
-                self._let_run.discard(engine.name)
-                try:
-                    engine.pause(self._pause_mode)
-                except EngineError as exc:
-                    self.mark_down(engine, str(exc))
+        """Before each weight-sync round: every engine the round may load (live or rejoining) that
+        is not paused yet is paused (mode keep, or the fleet's own mode), so that none computes when
+        the round's /start_weight_update takes its weights apart (vLLM's layerwise reload leaves them
+        on the meta device until the finish: a forward pass in between kills the engine core,
+        "onednn_mm ... Meta tensors"). Whatever still runs there stops being scheduled: a hedged
+        request's losing copy that is being aborted, a request the fleet stopped waiting for, an
+        engine :meth:`resume_paused` let run for an earlier round's probe (sync_weights' retry), a
+        request dispatched during the sync (it waits on the server). Idempotent; an engine that
+        does not answer is marked down (the round then leaves it out)."""
+        mode = self._pause_mode if self._paused else "keep"
+
+        def pause(slot: _Slot) -> None:
+            try:
+                slot.engine.pause(mode)
+                slot.paused = True
+            except EngineError as exc:
+                self.mark_down(slot.engine, str(exc))
+
+        self._each(pause, [s for s in self._slots if s.state is not EngineState.DOWN and not s.paused])
 
     def resume(self) -> None:
         """Every engine that is not down, those rejoining too: one that failed a sync while paused
         must not stay paused once it is admitted again."""
         self._paused = False
-        self._let_run.clear()
-        for engine in self.sync_targets():
+        for slot in self._slots:
+            if slot.state is EngineState.DOWN:
+                continue
             try:
-                engine.resume()
+                slot.engine.resume()
+                slot.paused = False
             except EngineError as exc:
-                self.mark_down(engine, str(exc))
+                self.mark_down(slot.engine, str(exc))
         if self.hedge_after > 0:
             self._loop.call_soon_threadsafe(self._hedge)
 
     def resume_paused(self, engine: RolloutEngine) -> None:
-        """While the fleet is paused (partial rollouts across a weight sync): let ``engine`` run
-        again, its new weights loaded but not verified yet (the sync's probe needs it to compute: a
-        server paused in mode keep schedules nothing, a probe included). Until :meth:`admit`, what
-        it returns is held; if it fails the sync instead, its requests are re-sent. Raises
-        EngineError."""
-        if self._paused:
-            self._run(self._unverify(self._slot(engine)))
-            self._let_run.add(engine.name)
+        """After a sync round's finish, before its probe: let ``engine`` (paused by :meth:`hold`,
+        or with the whole fleet for partial rollouts) run again, its new weights loaded but not
+        verified yet (the probe needs it to compute: a server paused in mode keep schedules nothing,
+        a probe included). Until :meth:`admit`, what it returns is held; if it fails the sync
+        instead, its requests are re-sent. Raises EngineError."""
+        slot = self._slot(engine)
+        if slot.paused:
+            self._run(self._unverify(slot))
             engine.resume()
+            slot.paused = False
 
     def sleep(self) -> None:
         self._each_live(lambda e: e.sleep())
@@ -589,8 +715,10 @@ class EngineFleet(RolloutEngine):
             served = {s.engine.name: s.served for s in self._slots}
             for s in self._slots:
                 s.served = 0
+            revivals, self._revivals = self._revivals, 0
         up = sum(s.state is EngineState.UP for s in self._slots)
         out = {"rollout/requeued_requests": float(requeued), "rollout/engines_up": float(up),
+               "rollout/revivals": float(revivals),
                "rollout/engines_down": float(len(self._slots) - up),
                "rollout/hedged_requests": float(hedged), "rollout/hedge_wins": float(wins)}
         total = sum(served.values())
@@ -610,6 +738,11 @@ class EngineFleet(RolloutEngine):
 
         self._run(cancel_pending())
         for slot in self._slots:
+            if slot.paused and slot.state is not EngineState.DOWN:  # (one that failed a sync): not left paused
+                try:
+                    slot.engine.resume()
+                except EngineError:
+                    pass
             aclose = getattr(slot.engine, "aclose", None)
             if aclose is not None:
                 try:
@@ -638,6 +771,17 @@ def _consume(task: asyncio.Future) -> None:
     is retrieved so asyncio does not report it."""
     if not task.cancelled():
         task.exception()
+
+
+def _reported_paused(engine: RolloutEngine) -> bool:
+    """Whether the engine says it is paused (False when it cannot say)."""
+    ask = getattr(engine, "is_paused", None)
+    if ask is None:
+        return False
+    try:
+        return bool(ask())
+    except EngineError:
+        return False
 
 
 def _reported_version(engine: RolloutEngine) -> str | None:

@@ -86,6 +86,15 @@ class FleetStream(GroupStream):
         with self._lock:
             return len(self._pending)
 
+    def last_progress(self) -> float | None:
+        return self.fleet.last_progress()
+
+    def stop_with_partials(self) -> bool:
+        """vLLM's ``/pause?mode=abort`` on every server: each request answers at once with the tokens
+        it has (a preemption keeps them); nothing is scheduled afterwards."""
+        self.fleet.pause("abort")
+        return True
+
     def before_weight_update(self) -> None:
         self.fleet.pause("keep")
 

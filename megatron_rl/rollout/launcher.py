@@ -14,7 +14,10 @@ the process that started it (:mod:`megatron_rl.rollout.lifeline`): when that pro
 
 :class:`EngineLauncher` starts a node's servers concurrently, waits until they answer, registers
 them (:mod:`megatron_rl.rollout.registry`), and, while :meth:`EngineLauncher.supervise` runs,
-restarts any that exits (on the same port when it is free), re-registering it once it answers. It is
+restarts any that exits, or that is alive but refuses connections (vLLM's API server after SIGTERM
+closes its socket and never exits: measured, still alive 60 s later), killing its process group
+first; restarts go out together (on the same port when it is free) and each is re-registered once
+it answers, so a node that lost all its servers has them back in one start-up time. It is
 what ``megatron-rl engines`` runs on every node (colocated: slurm/node_launch.sh starts it before the
 trainer; dedicated: the sbatch scripts run it as its own srun step), and what a colocated trainer
 runs itself when no node launcher did.
@@ -34,7 +37,7 @@ import time
 from pathlib import Path
 
 from megatron_rl.common.cpus import server_environment
-from megatron_rl.rollout.base import EngineDied, EngineError, EngineTimeout
+from megatron_rl.rollout.base import EngineDied, EngineTimeout
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.lifeline import owned
 from megatron_rl.rollout.registry import EngineRecord, EngineRegistry, engine_name
@@ -46,6 +49,9 @@ ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 SERVED_MODEL = "policy"
 # The environment marker a node launcher leaves for the trainer processes it starts.
 LAUNCHED_ENV = "MRL_ENGINES_LAUNCHED"
+# Supervision rounds in a row a running server may refuse connections before it is treated as
+# terminating (killed and started again).
+REFUSALS = 2
 # Set by torchrun / Slurm for the trainer's world; a server started from a trainer is its own world.
 _FOREIGN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
@@ -146,6 +152,19 @@ class ServerProcess:
         self.spec = spec
         self.proc: subprocess.Popen | None = None
         self.started = 0.0
+        self.starting = False  # (re)started by the supervisor, not answering yet
+        self.refusals = 0      # supervision rounds in a row it refused connections
+
+    def refuses_connections(self, timeout_s: float = 1.0) -> bool:
+        """Nothing accepts connections on its port (a timeout or another error is not a refusal: a
+        stopped or busy server still completes the TCP handshake)."""
+        try:
+            socket.create_connection((self.spec.host, self.spec.port), timeout=timeout_s).close()
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+        return False
 
     @property
     def pid(self) -> int:
@@ -203,12 +222,16 @@ class ServerProcess:
     def kill(self) -> None:
         self.signal(signal.SIGKILL)
         if self.proc is not None:
-            self.proc.wait(timeout=30)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # (not reaped yet: its group is killed all the same)
+                log.warning("engine %s: pid %d not reaped 30 s after SIGKILL", self.spec.name, self.pid)
 
     def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM, up to ``timeout_s`` for it to exit, then SIGKILL to its whole group."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
+        if self.proc.poll() is None and timeout_s > 0:
             self.signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=timeout_s)
@@ -262,22 +285,42 @@ class EngineLauncher:
             self.registry.unregister(server.spec.name)
 
     def check(self) -> None:
-        """One supervision round: restart (and re-register) any server that exited."""
+        """One supervision round, which never waits for a start-up: a server that exited, or that is
+        alive but has refused connections for :data:`REFUSALS` rounds in a row (terminating), is
+        unregistered, killed (its whole process group) and started again; a restarted server is
+        registered once it answers, and started again if it exits first or does not answer within
+        ``start_timeout_s``."""
         for server in self.servers:
-            if server.alive() or not self.restart or self._stop.is_set():
+            if not self.restart or self._stop.is_set():
+                return
+            if server.starting:
+                if server.healthy():
+                    server.starting, server.refusals = False, 0
+                    self._register(server)
+                    log.info("engine %s is back at %s", server.spec.name, server.spec.url())
+                elif not server.alive():
+                    self._restart(server, f"exited with code {server.proc.returncode} while starting"
+                                          f"{server._log_tail(5)}")
+                elif time.time() - server.started > self.start_timeout_s:
+                    self._restart(server, f"did not answer /health within {self.start_timeout_s:g}s")
                 continue
-            self._unregister(server)
-            log.warning("engine %s exited with code %s: restarting it", server.spec.name,
-                        server.proc.returncode if server.proc else None)
-            server.signal(signal.SIGKILL)  # its EngineCore / workers, if any survived
-            server.start()
-            self.restarts += 1
-            try:
-                server.wait_ready(self.start_timeout_s)
-            except EngineError as exc:
-                log.error("engine %s did not come back: %s", server.spec.name, exc)
-                continue
-            self._register(server)
+            if not server.alive():
+                self._restart(server, f"exited with code {server.proc.returncode if server.proc else None}")
+            elif server.refuses_connections():
+                server.refusals += 1
+                if server.refusals >= REFUSALS:
+                    self._restart(server, f"is alive but refuses connections ({server.refusals} checks "
+                                          f"in a row): it is terminating")
+            else:
+                server.refusals = 0
+
+    def _restart(self, server: ServerProcess, why: str) -> None:
+        self._unregister(server)
+        log.warning("engine %s %s: restarting it", server.spec.name, why)
+        server.kill()  # its whole group: EngineCore / workers, or a server stuck terminating
+        server.start()
+        server.starting, server.refusals = True, 0
+        self.restarts += 1
 
     def supervise(self, stop: threading.Event | None = None) -> None:
         """Run :meth:`check` every ``poll_s`` until :meth:`stop` (or ``stop`` is set)."""
@@ -291,13 +334,25 @@ class EngineLauncher:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Unregister and stop every server: SIGTERM to all at once, SIGKILL to what is left of
+        their groups after ``grace_s`` (vLLM's API server does not exit on SIGTERM)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
         for server in self.servers:
             self._unregister(server)
-            server.stop()
+            if server.alive():
+                server.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for server in self.servers:
+            if server.proc is not None:
+                try:
+                    server.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        for server in self.servers:
+            server.stop(timeout_s=0)  # SIGKILL to whatever of its group is left
 
     close = stop
 

@@ -67,6 +67,19 @@ class GroupStream(ABC):
     def in_flight(self) -> int:
         """Groups submitted and not yet delivered."""
 
+    def last_progress(self) -> float | None:
+        """``time.monotonic()`` of the engine's last sign of progress on what is in flight (a request
+        sent or re-sent, one answered, a recovery under way: now), so a waiter's watchdog measures
+        ``rollout.timeout_s`` from it rather than from when it began to wait; None: no such signal (the
+        watchdog counts from the start of the wait)."""
+        return None
+
+    def stop_with_partials(self) -> bool:
+        """Stop everything in flight now, each request answering with what it generated so far
+        (finish reason ``abort`` for the samples it stopped); False: this engine cannot (its
+        requests are then left as they are)."""
+        return False
+
     def before_weight_update(self) -> None:
         """Partial rollouts: freeze what is in flight before new weights are loaded (servers:
         ``/pause?mode=keep``). Default: nothing (the engine loads weights between two steps)."""

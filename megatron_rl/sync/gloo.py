@@ -13,9 +13,12 @@ gloo group of the trainer's sender (rank 0) and every worker of every engine (ra
 at its own rank offset); workers load each bucket through the model's ``load_weights`` inside vLLM's
 layerwise reload (started by ``start_weight_update``, finalised by ``finish_weight_update``).
 
-On top of vLLM's protocol: one checksum per packed bucket, computed by the sender while the bucket
-is in flight and by every worker on what it received, exchanged in one all-gather at the end of the
-round, so the sender knows which engine received what (``GlooTrainerWeightTransferEngine.report``);
+On top of vLLM's protocol: one checksum per packed bucket (:data:`BUCKET_HASH`, the one definition
+both ends use: XXH3-64 of the bucket's bytes in host memory), computed by the sender while the
+bucket is in flight and by every worker on a side thread while it loads the bucket (and the next
+one arrives), exchanged in one all-gather at the end of the round, so the sender knows which engine
+received what (``GlooTrainerWeightTransferEngine.report``); whether a round is checksummed travels
+with its update info (``verify``);
 every wait has a timeout; a worker whose stream is cut restores the layers the reload had displaced
 (the weights are then a mix of old and new, which the sender records as an unknown version).
 
@@ -43,14 +46,15 @@ from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactor
 from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
 from megatron_rl.rollout.reload import refresh_tied_layers
-from megatron_rl.sync.buckets import (bucket_nbytes, group_by_dtype, hash_tensor, meta_tensors, nbytes,
-                                      pack)
+from megatron_rl.sync.buckets import bucket_nbytes, group_by_dtype, host_digest, meta_tensors, nbytes, pack
 from megatron_rl.sync.group import allgather, broadcast, host_store, make_group, wait_works
 from megatron_rl.sync.vllm_protocol import ServerTransport, ServerWeightSync
 
 log = logging.getLogger("megatron_rl")
 
 BACKEND = "gloo"
+# The bucket checksum of this transport, on both ends: the buckets travel through host memory.
+BUCKET_HASH = host_digest
 
 
 # ------------------------------------------------------------------------------------- wire info
@@ -82,11 +86,13 @@ class GlooTrainerInitInfo(TrainerInitInfo):
 
 @dataclasses.dataclass
 class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
-    """Per round: the parameters, in the order the trainer sends them."""
+    """Per round: the parameters, in the order the trainer sends them, and whether the round is
+    checksummed (every worker hashes each bucket it receives)."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    verify: bool = True
 
     def __post_init__(self):
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
@@ -94,10 +100,10 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                              f"{len(self.shapes)} shapes")
 
 
-def update_info(meta: list[ParamMeta]) -> dict:
+def update_info(meta: list[ParamMeta], verify: bool = True) -> dict:
     return dataclasses.asdict(GlooWeightTransferUpdateInfo(
         names=[m.name for m in meta], dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
-        shapes=[list(m.shape) for m in meta]))
+        shapes=[list(m.shape) for m in meta], verify=verify))
 
 
 # ------------------------------------------------------------------------------- worker side
@@ -157,9 +163,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             raise RuntimeError("gloo weight transfer is not initialised (init_weight_transfer_engine first)")
         info = self.info
         t0 = time.perf_counter()
-        sums: list[torch.Tensor] = []
+        verify = update_info.verify
+        sums: list[cf.Future] = []
         received = tensors = 0
-        wait_s = load_s = hash_s = 0.0  # blocked on the broadcast, in load_weights, hashing
+        wait_s = load_s = 0.0  # blocked on the broadcast, in load_weights
+        # the checksums run on a side thread, beside load_weights and the next bucket's receive (the
+        # hash releases the GIL); each keeps its buffer alive until it is hashed
+        hasher = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gloo-hash") if verify else None
         try:
             plan = list(group_by_dtype(meta_tensors(update_info.names, update_info.dtype_names,
                                                     update_info.shapes), info.bucket_bytes))
@@ -173,31 +183,39 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                     t1 = time.perf_counter()
                     work.wait()
                     t2 = time.perf_counter()
-                    if info.verify:
-                        sums.append(hash_tensor(data))
-                    t3 = time.perf_counter()
+                    if hasher is not None:
+                        sums.append(hasher.submit(_timed_digest, data))
                     self.model.load_weights(unpack_tensor(
                         data, [n for n, _ in items], [list(t.shape) for _, t in items],
                         [t.dtype for _, t in items], [nbytes(t) for _, t in items]))
-                    wait_s, hash_s, load_s = wait_s + t2 - t1, hash_s + t3 - t2, load_s + time.perf_counter() - t3
+                    wait_s, load_s = wait_s + t2 - t1, load_s + time.perf_counter() - t2
                     received += data.numel()
                     tensors += len(items)
                 pending = nxt if k < len(plan) else None
-            vector = torch.stack(sums) if sums else torch.zeros(len(plan), dtype=torch.int64)
+            t3 = time.perf_counter()
+            digests = [f.result(timeout=info.timeout_s) for f in sums]
+            hash_tail = time.perf_counter() - t3  # what hashing added after the last load
+            vector = (torch.tensor([d for d, _ in digests], dtype=torch.int64) if digests
+                      else torch.zeros(len(plan), dtype=torch.int64))
             work, _ = allgather(self.group, vector)  # the sender collects what every worker received
             work.wait()
         except BaseException:
-            # The stream was cut: put back the layers the reload displaced (they keep a mix of old and
+            # The stream was cut: put back the layers the reload had displaced (they keep a mix of old and
             # new weights, which the sender records as an unknown version), leave the broken group.
             self._finish_reload()
             self.shutdown()
             raise
+        finally:
+            if hasher is not None:
+                hasher.shutdown(wait=False)
+        hash_s = sum(s for _, s in digests)
         # seconds: the whole receive; of it, wait: blocked on the broadcast, load: vLLM's
-        # load_weights (its layerwise reload processes each layer as it completes), hash: checksums
+        # load_weights (its layerwise reload processes each layer as it completes); hash: checksums
+        # (on the side thread, overlapped), of which hash_tail came after the last load
         self.last_round = {"buckets": len(plan), "tensors": tensors, "bytes": received,
                            "seconds": time.perf_counter() - t0, "wait_seconds": wait_s,
-                           "load_seconds": load_s, "hash_seconds": hash_s, **self._reload_seconds,
-                           "checksums": [int(v) for v in vector.tolist()]}
+                           "load_seconds": load_s, "hash_seconds": hash_s, "hash_tail_seconds": hash_tail,
+                           **self._reload_seconds, "checksums": [int(v) for v in vector.tolist()]}
 
     def shutdown(self) -> None:
         group, self.group = self.group, None
@@ -293,7 +311,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         t1 = time.perf_counter()
         exe = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="gloo-update")
         try:
-            receiving = exe.submit(self.client.update_weights, update_info(meta))
+            receiving = exe.submit(self.client.update_weights, update_info(meta, info.verify))
 
             def check() -> None:  # a worker that failed is named at once, not after a timeout
                 if receiving.done():
@@ -325,7 +343,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         """Two alternating buffers: bucket k+1 is gathered and packed while bucket k is in flight."""
         info, report = self.info, RoundReport()
         in_flight: list[list] = [[], []]
-        hashes: list[torch.Tensor] = []
+        hashes: list[int] = []
         for k, items in enumerate(group_by_dtype(named, info.bucket_bytes)):
             slot = k % 2
             wait_works(in_flight[slot], time.monotonic() + info.timeout_s, check)
@@ -333,14 +351,15 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             in_flight[slot] = [broadcast(self.group, data)]
             if info.verify:  # hashed while the broadcast is in flight
                 h0 = time.perf_counter()
-                hashes.append(hash_tensor(data))
+                hashes.append(BUCKET_HASH(data))
                 report.hash_seconds += time.perf_counter() - h0
             report.buckets += 1
             report.tensors += len(items)
             report.bytes += data.numel()
             report.bucket_names.append([n for n, _ in items])
         wait_works(in_flight[0] + in_flight[1], time.monotonic() + info.timeout_s, check)
-        mine = torch.stack(hashes) if hashes else torch.zeros(report.buckets, dtype=torch.int64)
+        mine = (torch.tensor(hashes, dtype=torch.int64) if hashes
+                else torch.zeros(report.buckets, dtype=torch.int64))
         work, out = allgather(self.group, mine)
         wait_works([work], time.monotonic() + info.timeout_s, check)
         report.sent = [int(v) for v in mine.tolist()]
@@ -352,6 +371,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if group is not None:
             _abort(group)
         self._store = None
+
+
+def _timed_digest(data: torch.Tensor) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    return BUCKET_HASH(data), time.perf_counter() - t0
 
 
 def checked(source: WeightSource, meta: list[ParamMeta]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -40,4 +40,4 @@ def build(config, fleet, *, sender: bool, metadata):
     if not torch.cuda.is_available():
         raise SyncError("sync.transport='ipc' shares CUDA memory: it needs CUDA; on CPU use 'gloo'")
     return ServerWeightSync(config, fleet, sender=sender, metadata=metadata,
-                            transport=ServerTransport("ipc", _init_info, wrap=on_every_rank))
+                            transport=ServerTransport("ipc", _init_info, wrap=on_every_rank, revivable=False))

@@ -13,7 +13,14 @@ backend reports them, then each of :attr:`ServerWeightSync.checks`, then the pro
 scores a fixed sequence and must match the trainer's log-probs, :mod:`megatron_rl.sync.probe`), the
 prefix-cache reset, each engine's verified version (:data:`UNKNOWN_VERSION` after a failed sync: it
 then serves nothing), timeouts, and the ``sync/*`` metrics. An engine that died is taken out of the
-fleet; one that failed but answers rejoins the next sync.
+fleet; one that failed but answers rejoins the next sync. Every engine a round loads is paused first
+(``fleet.hold()``) and resumed only after vLLM's finish route (no forward pass while its weights are
+taken apart).
+
+Engine loss: the sender keeps a host copy of the last weights it sent (and the probe they were
+checked with), so when the fleet finds no engine up mid-generation the engines its launchers
+restart are loaded and verified without the trainer (:meth:`ServerWeightSync.revive`, the fleet's
+reviver); a sync that finds no engine at all waits for restarts up to ``rollout.start_timeout_s``.
 
 Round trips: a sync is the route calls on the critical path, each HTTP -> engine core -> worker and
 back, on every engine at once. The fleet's check (/weight_info: a silently restarted engine must
@@ -28,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -170,6 +178,9 @@ class ServerTransport:
     init_info: Callable[[SyncConfig, int, int], Any]  # (config, world size, rank) -> TrainerInitInfo
     # Wrap the export so the backend's source suits it (ipc: full tensors on every rank).
     wrap: Callable[[NamedTensors, list[ParamMeta]], NamedTensors] = lambda named, meta: named
+    # The sending rank alone can load its copy of the last weights into restarted engines (ipc
+    # needs every trainer rank: a lost fleet then waits for the next sync).
+    revivable: bool = True
 
 
 def check_reported_version(engine, version: int) -> None:
@@ -201,6 +212,12 @@ class ServerWeightSync(WeightSync):
         self._engine = None   # vLLM's trainer-side weight-transfer engine
         self._client: FleetClient | None = None
         self._members: list[str] = []
+        # one round at a time: the trainer's syncs and the fleet's revivals (another thread)
+        self._rounds = threading.RLock()
+        # (version, host copy of the tensors, probe reference) of the last weights sent
+        self._last: tuple[int, list, object] | None = None
+        if sender and transport.revivable and hasattr(fleet, "set_reviver"):
+            fleet.set_reviver(self.revive)
 
     # ------------------------------------------------------------------------ group lifecycle
     def connect(self) -> None:
@@ -243,9 +260,28 @@ class ServerWeightSync(WeightSync):
 
     def close(self) -> None:
         if self.sender:
-            self._teardown()
+            if getattr(self.fleet, "reviver", None) == self.revive:
+                self.fleet.set_reviver(None)
+            with self._rounds:
+                self._teardown()
+                self._last = None
         else:
             self._engine = None
+
+    def revive(self) -> None:
+        """The fleet's reviver (no engine is up, some answer again): the last weights sent, loaded
+        into every engine that can take them (:meth:`EngineFleet.sync_targets`) from the host copy,
+        checked as that sync was (checksums, version, the same probe), and admitted. Raises
+        :class:`SyncError` when there is nothing to load or it reached no engine."""
+        with self._rounds:
+            if self.fleet.live():  # a sync brought engines back meanwhile
+                return
+            if self._last is None:
+                raise SyncError("no weights were sent yet: nothing to load into the engines that came back")
+            version, kept, reference = self._last
+            log.warning("weight sync: loading the last weights sent (v%d) into %s", version,
+                        [e.name for e in self.fleet.sync_targets()])
+            self._round(iter(kept), version, reference)
 
     # ------------------------------------------------------------------------------- one sync
     def sync(self, named_tensors: NamedTensors, version: int) -> SyncMetrics:
@@ -255,9 +291,59 @@ class ServerWeightSync(WeightSync):
             self.source.stream = self.transport.wrap(named_tensors, self.source.metadata())
             self._engine.send_weights()
             return SyncMetrics(version=version)
+        with self._rounds:
+            kept: list = []
+            try:
+                return self._round(_keeping(named_tensors, kept), version, self.probe)
+            except SyncMismatch:
+                raise  # an engine loaded or computes other weights: the trainer's to see
+            except SyncError as exc:
+                if len(kept) != len(self.source.metadata()):
+                    raise
+                return self._again(version, kept, self.probe, exc)  # it reached no engine
+            finally:  # the trainer's weights of ``version``, whatever the round did with them
+                if len(kept) == len(self.source.metadata()):
+                    self._last = (version, kept, self.probe)
+
+    def _all_lost(self) -> bool:
+        return all(self.fleet.state(e) is EngineState.DOWN for e in self.fleet.engines)
+
+    def _again(self, version: int, kept: list, reference, failure: SyncError) -> SyncMetrics:
+        """A round that reached no engine (they died, hung or were cut off; not a mismatch): the same
+        weights again, from the host copy. While every engine is lost, into those their launchers
+        restart, within ``rollout.start_timeout_s``; while some answer, up to ``sync.retries`` more
+        rounds. Raises the last failure past that."""
+        timeout = self.fleet.cfg.start_timeout_s
+        deadline, tries = time.monotonic() + timeout, 0
+        while True:
+            if not self._all_lost():
+                if tries >= self.config.retries:
+                    raise failure
+                tries += 1
+            elif time.monotonic() >= deadline:
+                raise failure
+            log.warning("weight sync v%d reached no engine (%s); loading it again into the engines that answer "
+                        "or come back (rollout.start_timeout_s=%gs)", version, failure, timeout)
+            self.fleet.wait_for_engines(max(0.0, deadline - time.monotonic()))
+            try:
+                return self._round(iter(kept), version, reference)
+            except SyncMismatch:
+                raise
+            except SyncError as exc:
+                failure = exc
+
+    def _round(self, named_tensors: NamedTensors, version: int, reference) -> SyncMetrics:
+        """One round to the fleet's sync targets; ``reference``: the probe every engine must pass."""
+        cfg = self.config
         t0 = time.perf_counter()
-        self.fleet.hold()  # nothing may generate while a round's start takes the weights apart
+        self.fleet.hold()  # nothing may compute while a round's start takes the weights apart
         started, rejoining = self._check_and_start()
+        if not self.fleet.sync_targets() and hasattr(self.fleet, "wait_for_engines"):  # all lost: restarts
+            timeout = self.fleet.cfg.start_timeout_s
+            log.warning("weight sync v%d: no engine to load it (%s): waiting up to rollout.start_timeout_s"
+                        "=%gs for restarts", version, self.fleet.states(), timeout)
+            self.fleet.wait_for_engines(timeout)
+        self.fleet.hold()  # the engines the check found rejoining too
         phases = {"start": time.perf_counter() - t0}
         members = self.fleet.sync_targets()
         if started and (rejoining or [e.name for e in members] != self._members):
@@ -299,7 +385,7 @@ class ServerWeightSync(WeightSync):
         def settle(engine) -> None:  # per engine, all engines at once (each is a few HTTP calls)
             if engine.name not in failures:
                 try:
-                    gap = self._commit(engine, version, pool)
+                    gap = self._commit(engine, version, pool, reference)
                     if gap is not None:
                         probed.append(gap)
                 except (SyncError, EngineError) as exc:
@@ -367,17 +453,17 @@ class ServerWeightSync(WeightSync):
         except SyncError as exc:  # such an engine fails its next start, then this sync
             log.warning("weight sync: closing the start sent ahead failed: %s", exc)
 
-    def _commit(self, engine, version: int, aside: cf.Executor) -> dict | None:
+    def _commit(self, engine, version: int, aside: cf.Executor, reference) -> dict | None:
         """After the finish route loaded and tagged ``version`` (vLLM's finish takes the version):
         reset the engine's prefix cache while its checks run (each :attr:`checks`, the reported
         version first), score the probe (what it computes with the new weights), then admit it.
         Returns its probe gap (None: no probe).
 
-        Partial rollouts (the fleet paused with mode keep for the sync): the engine resumes before
-        the probe, which a server paused in mode keep would not schedule; its frozen requests
-        continue then, with the new weights (the reset dropped their KV, so it is recomputed), under
-        the new version's label, and the fleet holds what they return until :meth:`admit` (or
-        re-sends them if the probe fails)."""
+        The engine was paused for the round (``fleet.hold()``; partial rollouts: with the whole
+        fleet): it resumes before the probe, which a server paused in mode keep would not schedule;
+        what it kept frozen continues then, with the new weights (the reset dropped their KV, so it
+        is recomputed), under the new version's label, and the fleet holds what it returns until
+        :meth:`admit` (or re-sends it if the probe fails)."""
         # cached blocks (running requests' too) hold the old weights' KV; ``aside`` has a worker free
         resetting = aside.submit(engine.reset_prefix_cache)
         for check in self.checks:
@@ -389,7 +475,7 @@ class ServerWeightSync(WeightSync):
                               f"{self.config.timeout_s:g}s") from None
         engine.weight_version = version  # verified
         self.fleet.resume_paused(engine)
-        gap = probe.check(engine, self.probe) if (self.config.verify and self.probe is not None) else None
+        gap = probe.check(engine, reference) if (self.config.verify and reference is not None) else None
         self.fleet.admit(engine)
         return gap
 
@@ -437,6 +523,14 @@ class ServerWeightSync(WeightSync):
                                         + (f" and {len(names) - 3} more tensors" if len(names) > 3 else ""))
             rank += engine.workers
         return bad
+
+
+def _keeping(named: NamedTensors, kept: list) -> NamedTensors:
+    """``named`` unchanged, each tensor also copied into ``kept`` (host memory: what a revival
+    loads into restarted engines after the trainer's weights moved on)."""
+    for name, tensor in named:
+        kept.append((name, tensor.detach().to("cpu", copy=True)))
+        yield name, tensor
 
 
 def _numel(shape) -> int:

@@ -88,6 +88,21 @@ class RolloutDumper:
         self.bytes = sum(p.stat().st_size for p in self.dir.glob("step_*.parquet"))
         self.capped = False
 
+    def forget_after(self, global_step: int) -> int:
+        """Delete the dumps of steps after ``global_step`` (a run resumed from an earlier checkpoint
+        redoes them: they would describe steps of a past that did not happen); returns how many."""
+        gone = 0
+        for p in self.dir.glob("step_*.parquet"):
+            try:
+                step = int(p.stem.split("_", 1)[1])
+            except ValueError:
+                continue
+            if step > global_step:
+                self.bytes -= p.stat().st_size
+                p.unlink()
+                gone += 1
+        return gone
+
     def write(self, global_step: int, columns: dict[str, list]) -> dict:
         """Write the rows of kept prompts; returns ``dump/*`` metrics."""
         t0 = time.perf_counter()

@@ -19,9 +19,17 @@ can no longer be trained on in time are aborted. With ``dynamic_sampling``, grou
 variance are dropped (counted) and replaced by new draws, up to ``max_draw_factor`` waves' worth.
 
 Rewards are scored on the trainer's thread when a step collects its groups; generation runs on the
-engine's thread (:mod:`megatron_rl.rollout.streaming`). Everything not yet trained on is saved with
-the checkpoint (finished groups in full; groups still generating are redrawn on resume from the
-same prompts and seeds, at the checkpoint's weights).
+engine's thread (:mod:`megatron_rl.rollout.streaming`). A step's groups are trained in the order of
+their draws (wave, then index), whatever order they finished in, so a resumed run trains the same
+batches as an uninterrupted one.
+
+Everything not yet trained on is saved with the checkpoint: finished groups in full; on a stop
+request mid-generation (preemption: SIGUSR1 / SIGTERM) the step is given up (:class:`Interrupted`)
+and what it generated so far is kept: its finished groups, and, where the engine can stop requests
+with what they generated (vLLM servers: ``/pause?mode=abort``), partial responses with their tokens,
+log-probs and weight versions, which a resumed run continues (prompt + partial tokens, the rest of
+the length, the sample's own seed) instead of starting over. Groups with nothing generated are
+redrawn on resume from the same prompts and seeds, at the checkpoint's weights.
 """
 
 from __future__ import annotations
@@ -49,7 +57,13 @@ from megatron_rl.trainer.state import TrainerState
 log = logging.getLogger("megatron_rl")
 
 STATE_FILE = "rollouts.pt"
-# RUN_DIR/async_samples.jsonl: per step, the weight versions of every response trained on.
+
+
+class Interrupted(Exception):
+    """A stop was requested while a step waited for its groups: the step is given up (nothing is
+    trained), what was generated stays in the scheduler for the checkpoint."""
+# RUN_DIR/async_samples.jsonl: per step, the prompts trained on (their uids, in training order) and the
+# weight versions of every response.
 SAMPLE_LOG = "async_samples.jsonl"
 
 
@@ -64,8 +78,9 @@ def open_rollouts(ctx: Context, stage: StageConfig, state: TrainerState,
                                 step=state.step, sample_log=ctx.run.root / SAMPLE_LOG, stage=stage.name)
     if rollouts.restore(ctx.run.latest_step_checkpoint(stage.name), state.weight_version,
                         state.global_step, state.step):
-        log.info("stage %s: %d groups generated before the checkpoint, %d redrawn", stage.name,
-                 len(rollouts.done), len(rollouts.in_flight))
+        log.info("stage %s: %d groups generated before the checkpoint kept, %d partial ones continued, %d "
+                 "redrawn", stage.name, len(rollouts.done), len(rollouts.continuing_groups()),
+                 len(rollouts.in_flight) - len(rollouts.continuing_groups()))
     return rollouts
 
 
@@ -90,6 +105,11 @@ class Group:
     def version(self) -> int:
         """Its oldest token's weight version."""
         return min(c.weight_version for c in self.completions) if self.completions else self.dispatch_version
+
+    @property
+    def partial(self) -> bool:
+        """Some of its samples were stopped part-way (finish reason ``abort``): to be continued."""
+        return bool(self.completions) and any(c.finish_reason == "abort" for c in self.completions)
 
 
 @dataclass
@@ -146,6 +166,11 @@ class RolloutScheduler:
         self.next_wave = step  # the first wave not dispatched yet
         self.drawn: dict[int, int] = {}  # wave -> prompts drawn for it so far
         self.in_flight: dict[tuple[int, int], Group] = {}
+        # (wave, index, sample) -> the partial group a continued sample belongs to (in flight too)
+        self._continuing: dict[tuple[int, int, int], Group] = {}
+        self._partial: list[Group] = []  # stopped part-way by interrupt(): kept for the checkpoint
+        self._interrupting = False
+        self._wave_steps: dict[int, int] = {}  # wave -> the global step its seeds come from
         self.done: list[Group] = []  # finished, not scored yet (arrival order)
         self.ready: list[Group] = []  # finished and scored, not trained on (arrival order)
         self._inbox: queue.Queue = queue.Queue()
@@ -154,8 +179,11 @@ class RolloutScheduler:
         self._time_mark = time.perf_counter()
 
     # -- the loop's calls -------------------------------------------------------------------------
-    def next_rollout(self, step: int, global_step: int, version: int, timer) -> tuple[Rollout | None, dict]:
-        """Step ``step``'s groups (``version``: the trainer's weights) and the collection's metrics."""
+    def next_rollout(self, step: int, global_step: int, version: int, timer,
+                     stop=None) -> tuple[Rollout | None, dict]:
+        """Step ``step``'s groups (``version``: the trainer's weights) and the collection's metrics.
+        ``stop()`` (polled while waiting for groups) true: raises :class:`Interrupted` after stopping
+        what is generating (see :meth:`interrupt`), the step's groups kept for the checkpoint."""
         s = self.acfg.max_staleness
         self._step = st = _Step()
         self._dispatch_ahead(step, global_step, version)
@@ -192,8 +220,12 @@ class RolloutScheduler:
                 self._dispatch(step, global_step, version, min(room, missing))
             with timer("gen"):
                 t0 = time.perf_counter()
-                self._receive(block=True)
+                stopped = not self._receive(block=True, stop=stop)
                 st.wait_s += time.perf_counter() - t0
+            if stopped:
+                self.ready[:0] = resolved  # not trained: back in their place, for the checkpoint
+                self.interrupt()
+                raise Interrupted(f"stop requested while step {step} was generating")
         self._drop_hopeless(step, version)
         metrics = merge_reward_metrics(st.reward_calls) if st.reward_calls else {}
         if self.acfg.enabled:
@@ -201,7 +233,24 @@ class RolloutScheduler:
             self._log_versions(step, global_step, version, taken)
         if not resolved:
             return None, metrics
-        return self._as_rollout(resolved), metrics
+        return self._as_rollout(sorted(resolved, key=lambda g: g.tag)), metrics
+
+    def interrupt(self, timeout_s: float | None = None) -> None:
+        """Stop generating, keeping what was generated: an engine that can (vLLM servers) answers
+        every request at once with the tokens it has (partial responses, finish reason ``abort``);
+        they are collected, up to ``timeout_s`` (``rollout.control_timeout_s``)."""
+        self._interrupting = True
+        if not self.stream.stop_with_partials():
+            return
+        # the servers answer at once; a request that was still waiting for room never will (it
+        # queues on a paused server): saved to redraw
+        deadline = time.monotonic() + (self.r.control_timeout_s if timeout_s is None else timeout_s)
+        quiet_since, left = time.monotonic(), len(self.in_flight)
+        while self.in_flight and time.monotonic() < deadline and time.monotonic() - quiet_since < 1.0:
+            self._receive(block=False)
+            if len(self.in_flight) < left:
+                quiet_since, left = time.monotonic(), len(self.in_flight)
+            time.sleep(0.02)
 
     def before_sync(self) -> dict:
         """Before a weight update: without partial rollouts, the requests in flight finish first;
@@ -213,68 +262,93 @@ class RolloutScheduler:
         if not self.stream.in_flight():
             return report
         t0 = time.perf_counter()
-        deadline = t0 + self.r.timeout_s
+        deadline = time.monotonic() + self.r.timeout_s
         while self.stream.in_flight():
-            if time.perf_counter() > deadline:
+            deadline = self._extended(deadline)
+            if time.monotonic() > deadline:
                 raise TimeoutError(f"rollout.async: requests in flight did not finish within "
-                                   f"rollout.timeout_s={self.r.timeout_s}s before a weight update")
+                                   f"rollout.timeout_s={self.r.timeout_s}s of the engine's last progress "
+                                   f"before a weight update")
             time.sleep(0.005)
         return {k: time.perf_counter() - t0 for k in report}
+
+    def _extended(self, deadline: float) -> float:
+        """A watchdog's deadline (``time.monotonic()``) moved to ``rollout.timeout_s`` after the
+        engine's last progress when that is later (see ``GroupStream.last_progress``)."""
+        progress = self.stream.last_progress()
+        return deadline if progress is None else max(deadline, progress + self.r.timeout_s)
 
     def after_sync(self) -> None:
         """After a weight update: partial rollouts continue, their later tokens from the new weights."""
         if self.acfg.partial_rollout:
             self.stream.after_weight_update()
 
+    def continuing_groups(self) -> list[Group]:
+        """Groups whose partial samples are being continued."""
+        return list({id(g): g for g in self._continuing.values()}.values())
+
     def close(self) -> None:
         """End of the stage: stop what is in flight (or let it finish) and forget the leftovers."""
         if self.in_flight and self.stream.can_abort:
-            self.stream.abort(list(self.in_flight))
+            self.stream.abort([t for tag in self.in_flight for t in self._stream_tags(tag)])
         elif self.in_flight:
             self.before_sync()
         if isinstance(self.stream, BackgroundGenerate):
             self.stream.close()
         self.in_flight.clear()
+        self._continuing.clear()
         self.done, self.ready = [], []
 
     # -- checkpoint -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Everything not trained on yet; groups still generating are kept as (prompt, seed) and
-        redrawn on resume."""
+        """Everything not trained on yet: finished groups and partial ones (their samples so far)
+        in full; groups still generating with nothing kept as (prompt, seed), redrawn on resume."""
         self._receive(block=False)
         groups = []
-        for g in self.ready + self.done:
+        kept = self.ready + self.done + self._partial + self.continuing_groups()
+        for g in kept + [g for g in self.in_flight.values() if g.completions is None]:
             groups.append({"wave": g.wave, "index": g.index, "record": g.record,
                            "dispatch_version": g.dispatch_version,
-                           "completions": [_completion_dict(c) for c in g.completions]})
-        for g in self.in_flight.values():
-            groups.append({"wave": g.wave, "index": g.index, "record": g.record,
-                           "dispatch_version": g.dispatch_version, "completions": None})
+                           "completions": None if g.completions is None else
+                           [_completion_dict(c) for c in g.completions]})
         return {"next_wave": self.next_wave, "drawn": dict(self.drawn), "groups": groups}
 
     def load_state_dict(self, state: dict, version: int, global_step: int, step: int) -> None:
-        if self.acfg.max_staleness == 0 and state["groups"]:  # generated ahead, now too old to train on
+        groups = [d for d in state["groups"]
+                  if self.acfg.max_staleness > 0 or _fresh(d, version, step)]
+        if len(groups) < len(state["groups"]):  # generated ahead (async), now too old to train on
             log.warning("rollouts: the checkpoint holds %d groups generated ahead, but rollout.async."
-                        "max_staleness is 0 now: dropped (their prompts are skipped)", len(state["groups"]))
-            self.next_wave = step
-            return
+                        "max_staleness is 0 now: dropped (their prompts are skipped)",
+                        len(state["groups"]) - len(groups))
+            if not groups:
+                self.next_wave = step
+                return
         self.next_wave = int(state["next_wave"])
         self.drawn = {int(k): int(v) for k, v in state["drawn"].items()}
         redraw: dict[int, list[Group]] = {}
-        for d in state["groups"]:
+        for d in groups:
             g = Group(wave=d["wave"], index=d["index"], record=d["record"], dispatch_version=d["dispatch_version"])
             if d["completions"] is None:
                 g.dispatch_version = version
                 redraw.setdefault(g.wave, []).append(g)
+                continue
+            g.completions = [Completion(**{**c, "version_spans": [tuple(x) for x in c["version_spans"]]})
+                             for c in d["completions"]]
+            if g.partial:
+                self._continue(g, global_step + (g.wave - step))
             else:
-                g.completions = [Completion(**{**c, "version_spans": [tuple(x) for x in c["version_spans"]]})
-                                 for c in d["completions"]]
                 self.done.append(g)
         for wave, gs in sorted(redraw.items()):
             self._submit(wave, global_step + (wave - step), gs)
 
     def save(self, ckpt) -> None:
-        torch.save(self.state_dict(), ckpt / STATE_FILE)
+        state = self.state_dict()
+        torch.save(state, ckpt / STATE_FILE)
+        kept = [d for d in state["groups"] if d["completions"] is not None]
+        partial = sum(c["finish_reason"] == "abort" for d in kept for c in d["completions"])
+        log.info("rollouts saved with the checkpoint: %d groups generated and not trained on (%d partial "
+                 "responses among them, continued on resume), %d to redraw", len(kept), partial,
+                 len(state["groups"]) - len(kept))
 
     def restore(self, ckpt, version: int, global_step: int, step: int) -> bool:
         path = None if ckpt is None else ckpt / STATE_FILE
@@ -305,6 +379,7 @@ class RolloutScheduler:
     def _submit(self, wave: int, global_step: int, groups: list[Group]) -> None:
         """Groups of one wave; consecutive indices go in one call (prompt i seeded base + index)."""
         r = self.r
+        self._wave_steps[wave] = global_step
         base = sampling_seed(self.run_seed, global_step)
         runs: list[list[Group]] = []
         for g in sorted(groups, key=lambda g: g.index):
@@ -320,25 +395,84 @@ class RolloutScheduler:
             self.stream.submit([self.loader.records[g.record].prompt_ids for g in run], spec,
                                [g.tag for g in run], self._inbox.put)
 
-    def _receive(self, block: bool) -> None:
-        """Move delivered groups from the engine's thread into ``done`` (arrival order)."""
+    def _continue(self, g: Group, global_step: int) -> None:
+        """Continue a partial group's stopped samples: each one alone (n=1), its prompt followed by
+        the tokens it has, the rest of the length, the sample's own seed (base + index + j)."""
+        r = self.r
+        self._wave_steps[g.wave] = global_step
+        base = sampling_seed(self.run_seed, global_step) + g.index
+        prompt = self.loader.records[g.record].prompt_ids
+        self.in_flight[g.tag] = g
+        for j, c in enumerate(g.completions):
+            left = self.max_response_len - len(c.token_ids)
+            if c.finish_reason != "abort" or left <= 0:
+                continue
+            spec = SamplingSpec(n=1, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=left,
+                                seed=(base + j) % (2**31 - 1))
+            tag = (g.wave, g.index, j)
+            self._continuing[tag] = g
+            self.stream.submit([list(prompt) + list(c.token_ids)], spec, [tag], self._inbox.put)
+        if not any(t[:2] == g.tag for t in self._continuing):  # nothing left to generate
+            for c in g.completions:
+                if c.finish_reason == "abort":
+                    c.finish_reason, c.truncated = "length", True
+            self.in_flight.pop(g.tag)
+            self.done.append(g)
+
+    def _receive(self, block: bool, stop=None) -> bool:
+        """Move delivered groups from the engine's thread into ``done`` (arrival order); a
+        continued sample is joined to its partial group first. Blocking: until something arrives
+        (within ``rollout.timeout_s`` of the engine's last progress: a request re-sent after its
+        engine timed out, or a fleet waiting for restarts, is not a hang), or until ``stop()`` is true
+        (returns False)."""
         timeout = self.r.timeout_s
+        deadline = time.monotonic() + timeout
         while True:
+            if block and stop is not None and stop():
+                return False
             try:
-                batch = self._inbox.get(block=block, timeout=timeout if block else None)
+                wait = min(0.25, max(0.0, deadline - time.monotonic())) if stop is not None else timeout
+                batch = self._inbox.get(block=block, timeout=wait if block else None)
             except queue.Empty:
-                if block:
-                    raise TimeoutError(f"rollout.async: no group finished within rollout.timeout_s={timeout}s")
-                return
+                if not block:
+                    return True
+                deadline = self._extended(deadline)
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"rollout.async: no group finished within rollout.timeout_s={timeout}s "
+                                       f"of the engine's last progress")
+                continue
             block = False
             for tag, result in batch:
-                g = self.in_flight.pop(tag, None)
+                if isinstance(result, BaseException) and (tag in self.in_flight or tag in self._continuing):
+                    if self._interrupting:  # stopping anyway: left to redraw (or continue) on resume
+                        continue
+                    raise RuntimeError(f"rollout engine failed on prompt {tag}: {result}") from result
+                if tag in self._continuing:
+                    self._joined(tag, result[0])
+                    continue
+                g = self.in_flight.get(tag)
                 if g is None:  # aborted meanwhile
                     continue
-                if isinstance(result, BaseException):
-                    raise RuntimeError(f"rollout engine failed on prompt {tag}: {result}") from result
                 g.completions = result
-                self.done.append(g)
+                self.in_flight.pop(tag)
+                if not g.partial:
+                    self.done.append(g)
+                elif self._interrupting:  # stopped part-way: kept for the checkpoint as it is
+                    self._partial.append(g)
+                else:  # stopped by something else: the rest of it is generated now
+                    self._continue(g, self._wave_steps[g.wave])
+
+    def _stream_tags(self, tag: tuple) -> list[tuple]:
+        """The tags a group's requests carry on the stream: its own, or its continued samples'."""
+        return [t for t in self._continuing if t[:2] == tag] or [tag]
+
+    def _joined(self, tag: tuple, rest: Completion) -> None:
+        g = self._continuing.pop(tag)
+        j = tag[2]
+        g.completions[j] = join_completions(g.completions[j], rest)
+        if not any(t[:2] == g.tag for t in self._continuing):
+            self.in_flight.pop(g.tag, None)
+            self.done.append(g)
 
     def _score(self, groups: list[Group]) -> None:
         records = self.loader.records
@@ -365,9 +499,11 @@ class RolloutScheduler:
             self._step.dropped_stale += 1
         hopeless = [t for t, g in self.in_flight.items() if g.wave <= step and version + 1 - g.dispatch_version > s]
         if hopeless and self.stream.can_abort:
-            self.stream.abort(hopeless)
+            self.stream.abort([t for tag in hopeless for t in self._stream_tags(tag)])
             for t in hopeless:
                 self.in_flight.pop(t)
+                for c in [c for c in self._continuing if c[:2] == t]:
+                    del self._continuing[c]
             self._step.aborted += len(hopeless)
 
     def _as_rollout(self, groups: list[Group]) -> Rollout:
@@ -382,7 +518,9 @@ class RolloutScheduler:
     def _log_versions(self, step: int, global_step: int, version: int, taken: list[Group]) -> None:
         if self.sample_log is None:
             return
+        taken = sorted(taken, key=lambda g: g.tag)  # (the order they are trained in)
         row = {"stage": self.stage, "step": global_step + 1, "stage_step": step, "trainer_version": version,
+               "prompts": [self.loader.records[g.record].uid for g in taken],
                "versions": [[c.weight_version, c.newest_version] for g in taken for c in g.completions]}
         with open(self.sample_log, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -413,6 +551,36 @@ class RolloutScheduler:
         for d in range(s + 1):
             m[f"async/staleness_{d}"] = sum(x == d for x in stale) / max(len(stale), 1)
         return m
+
+
+def _fresh(d: dict, version: int, step: int) -> bool:
+    """A saved group that a synchronous run (max_staleness 0) may still train on: its own step's
+    (drawn for ``step`` or later), generated (if at all) by the current weights."""
+    if d["wave"] < step:
+        return False
+    return d["completions"] is None or all(c["weight_version"] == version for c in d["completions"])
+
+
+def join_completions(part: Completion, rest: Completion) -> Completion:
+    """A sample stopped part-way (``part``) and its continuation (``rest``, sampled from the prompt
+    followed by ``part``'s tokens) as one completion: tokens, log-probs, text, and each token's
+    weight version (spans) end to end; finish reason and truncation are the continuation's."""
+    n = len(part.token_ids)
+    spans = [(v, a, b) for v, a, b in (part.version_spans or [(part.weight_version, 0, n)]) if b > a]
+    for v, a, b in rest.version_spans or [(rest.weight_version, 0, len(rest.token_ids))]:
+        if b <= a:
+            continue
+        if spans and spans[-1][0] == v and spans[-1][2] == a + n:
+            spans[-1] = (v, spans[-1][1], b + n)
+        else:
+            spans.append((v, a + n, b + n))
+    versions = {v for v, _, _ in spans}
+    return Completion(token_ids=list(part.token_ids) + list(rest.token_ids),
+                      logprobs=list(part.logprobs) + list(rest.logprobs), text=part.text + rest.text,
+                      finish_reason=rest.finish_reason, truncated=rest.truncated,
+                      weight_version=spans[0][0] if spans else rest.weight_version,
+                      version_spans=spans if len(versions) > 1 else [], engine=rest.engine,
+                      extra={**part.extra, **rest.extra})
 
 
 def _completion_dict(c: Completion) -> dict:

@@ -159,6 +159,10 @@ def begin_stage(ctx: Context, stage: StageConfig) -> tuple[TrainerState, PromptL
         saved = ckpt / MONITOR_FILE if ckpt is not None else None
         if monitor is not None and saved is not None and saved.exists():
             monitor.load_state_dict(json.loads(saved.read_text()))
+        dumper = ctx.observer.dumper if ctx.observer is not None else None
+        if dumper is not None and dumper.forget_after(state.global_step):  # steps to be redone
+            log.info("stage %s: rollout dumps after step %d removed (those steps run again)", stage.name,
+                     state.global_step)
     if state.entropy_controller:
         ctx.entropy_ctl.load_state_dict(state.entropy_controller)
     restore_rng(state.rng)

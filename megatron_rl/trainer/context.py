@@ -66,6 +66,8 @@ class Context:
     engines_asleep: bool = False
     # Every rank, when algo.kl.enabled: built at the first stage (checkpointing.ensure_reference).
     reference: ReferencePolicy | None = None
+    # Every rank, with algo.distill: the teacher, built at the first stage (teacher.ensure_teacher).
+    teacher: ReferencePolicy | None = None
 
     @property
     def is_driver(self) -> bool:

@@ -11,18 +11,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rl.algo import AlgoConfig
+from megatron_rl.algo import AlgoConfig, token_masks
 from megatron_rl.common.metrics import reduce_metrics
 from megatron_rl.models.batch import PerSequence, SequenceBatch
 from megatron_rl.tracking.console import StageProgress
 from megatron_rl.trainer import phases
-from megatron_rl.trainer.async_rollout import RolloutScheduler, open_rollouts
+from megatron_rl.trainer.async_rollout import Interrupted, RolloutScheduler, open_rollouts
 from megatron_rl.trainer.checkpointing import begin_stage, ensure_reference, finish_stage, save_checkpoint
 from megatron_rl.trainer.config import StageConfig
 from megatron_rl.trainer.context import Context
 from megatron_rl.trainer.evaluate import evaluate, record_eval, sync_weights
 from megatron_rl.trainer.no_update import NoUpdateStop, NoUpdateWatch, no_update_reason
 from megatron_rl.trainer.state import RunDir, TrainerState
+from megatron_rl.trainer.teacher import ensure_teacher
 
 if TYPE_CHECKING:
     from megatron_rl.data import PromptLoader
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
     from megatron_rl.models.reference import ReferencePolicy
 
 log = logging.getLogger("megatron_rl")
+
+# What the driver broadcasts instead of a batch when a stop request interrupted the step's generation.
+INTERRUPTED = "interrupted"
 
 
 class StepTimer:
@@ -58,17 +62,19 @@ def train_stage(ctx: Context, stage: StageConfig, *, eval_start: bool = False) -
     of the weights it starts from (the run's ``start``)."""
     cfg = ctx.cfg
     ensure_reference(ctx)
+    ensure_teacher(ctx)
     state, loader = begin_stage(ctx, stage)  # the engines now hold the weights it starts from
     if eval_start:
         record_eval(ctx, "start", stage.max_response_len)
     rollouts = open_rollouts(ctx, stage, state, loader)  # the driver's source of rollouts (rollout.async)
     try:
         with StageProgress(stage.name, stage.max_steps, state.step, enabled=ctx.is_driver and cfg.tracking.console) as bar:
-            run_steps(ctx, stage, state, loader, rollouts, bar)
+            interrupted = run_steps(ctx, stage, state, loader, rollouts, bar)
         if ctx.is_driver and ctx.observer is not None:
             ctx.observer.flush()
         if ctx.stop_agreed() and state.step < stage.max_steps:
-            if not RunDir.is_complete(ctx.run.step_dir(stage.name, state.step)):  # not just saved periodically
+            # (again after an interrupted step: the checkpoint then keeps what it generated)
+            if interrupted or not RunDir.is_complete(ctx.run.step_dir(stage.name, state.step)):
                 save_checkpoint(ctx, stage, state, loader, rollouts)
             return
     finally:
@@ -78,7 +84,9 @@ def train_stage(ctx: Context, stage: StageConfig, *, eval_start: bool = False) -
 
 
 def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: PromptLoader | None,
-              rollouts: RolloutScheduler | None, bar: StageProgress) -> None:
+              rollouts: RolloutScheduler | None, bar: StageProgress) -> bool:
+    """The stage's steps until its end or a stop; True when a stop request interrupted a step's
+    generation (preemption: nothing of that step was trained, what it generated is kept)."""
     cfg = ctx.cfg
     watch = NoUpdateWatch(cfg.trainer.max_steps_without_update)
     while state.step < stage.max_steps and not ctx.stop_agreed():
@@ -88,23 +96,32 @@ def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: Pro
         sample = ""
         if ctx.is_driver:  # generate + score (timed "gen" / "reward"), as soon as rollout.async allows
             ctx.engines_wake()
-            ro, m = rollouts.next_rollout(state.step, state.global_step, state.weight_version, timer)
+            try:
+                ro, m = rollouts.next_rollout(state.step, state.global_step, state.weight_version, timer,
+                                              stop=lambda: ctx.stop.requested)
+            except Interrupted as exc:
+                log.warning("stage %s: %s: the step is given up, what it generated is kept", stage.name, exc)
+                ro, m, batch = None, {}, INTERRUPTED
             if not cfg.rollout.async_.enabled:  # colocated on GPUs: nothing generates while training
                 ctx.engines_sleep()
             m.update(ctx.engine.pop_metrics())  # the fleet's re-sent requests, engines up / down
             metrics.update(m)
             if ro is not None:
                 metrics.update(phases.rollout_metrics(ro, cfg.algo.correct_reward))
-                batch, m = phases.make_batch(ro, cfg.algo)
+                batch, m = phases.make_batch(ro, cfg.algo, stage.max_response_len)
                 metrics.update(m)
                 sample = (f"{ro.completions[0].text[:300]!r} (ground truth "
                           f"{ro.records[0].ground_truth!r})")
         batch = ctx.broadcast(batch)
+        if isinstance(batch, str):  # INTERRUPTED: every rank leaves the step
+            ctx.stop.requested = True  # (so that every rank agrees to stop)
+            return True
         per_sample = None
         if batch is not None:
             with timer("logprob"):
                 metrics.update(add_logprobs(ctx.policy, ctx.reference, batch, cfg.algo,
-                                            cfg.rollout.temperature, state.weight_version))
+                                            cfg.rollout.temperature, state.weight_version,
+                                            teacher=ctx.teacher))
             with timer("update"):
                 m, per_sample = update_policy(
                     ctx.policy, batch, cfg.algo, cfg.rollout.temperature, alpha=ctx.entropy_ctl.alpha,
@@ -148,6 +165,7 @@ def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: Pro
         if stop:
             log.info("stage %s: validation accuracy plateaued at step %d", stage.name, state.step)
             break
+    return False
 
 
 def needs_old_logprobs(a: AlgoConfig, batch: SequenceBatch, version: int) -> bool:
@@ -158,22 +176,32 @@ def needs_old_logprobs(a: AlgoConfig, batch: SequenceBatch, version: int) -> boo
     engine's), and the train-inference gaps are measured on it (:func:`update_policy`), so a
     recompute would only repeat that forward. Recomputed: several optimizer steps (every step after
     the first needs the log-probs from before the first), or a phase that reads them before the
-    update (KL in the reward). ``batch`` and ``version`` (the trainer's weight version) are what
-    later conditions may read."""
-    return a.n_sgd > 1 or a.mini_batches > 1 or (a.kl.enabled and a.kl.as_reward)
+    update: KL in the reward, or a token mask (the old policy's entropy over the whole batch, before
+    the first step). Losses that weigh tokens by the engine's log-probs (decoupled PPO's proximal
+    policy, TIS / IcePop) read the same detached forward. ``batch`` and ``version`` (the trainer's
+    weight version) are what later conditions may read."""
+    return (a.n_sgd > 1 or a.mini_batches > 1 or (a.kl.enabled and a.kl.as_reward)
+            or a.token_mask.mode != "none")
 
 
 def add_logprobs(policy: MegatronPolicy, reference: ReferencePolicy | None, batch: SequenceBatch,
-                 a: AlgoConfig, temperature: float, version: int) -> dict:
-    """The log-prob phase (step 4): the old policy's and the reference's log-probs of every response
-    token, recomputed by the trainer at the sampling temperature (``old_logp`` when
-    :func:`needs_old_logprobs`, ``ref_logp`` when ``algo.kl.enabled``), then, with
-    ``algo.kl.as_reward``, the advantages recomputed from the KL-shaped rewards. ``version`` is the
-    trainer's weight version (tokens sampled by older ones are stale). Collective."""
+                 a: AlgoConfig, temperature: float, version: int, *,
+                 teacher: ReferencePolicy | None = None) -> dict:
+    """The log-prob phase (step 4): the old policy's, the reference's and the teacher's log-probs of
+    every response token, recomputed by the trainer at the sampling temperature (``old_logp`` when
+    :func:`needs_old_logprobs`, ``ref_logp`` when ``algo.kl.enabled``, ``teacher_logp`` with
+    ``algo.distill``), then, with ``algo.kl.as_reward``, the advantages recomputed from the
+    KL-shaped rewards, and with ``algo.token_mask`` the trained tokens (``token_mask``) chosen from
+    the old policy's entropy. ``version`` is the trainer's weight version (tokens sampled by older
+    ones are stale). Collective."""
     metrics: dict = {}
     if needs_old_logprobs(a, batch, version):
-        logp, _ = policy.compute_logprobs(batch, temperature, with_entropy=False)
+        masked = a.token_mask.mode != "none"
+        logp, entropy = policy.compute_logprobs(batch, temperature, with_entropy=masked)
         batch.token_fields["old_logp"] = logp
+        if masked:
+            batch.token_fields["token_mask"], m = token_masks(entropy, a.token_mask)
+            metrics.update(m)
         gap = [(lp - rl).abs().mean().item() for lp, rl in zip(logp, batch.token_fields["rollout_logp"])]
         metrics["rollout/train_infer_logp_gap"] = sum(gap) / max(1, len(gap))
         versions = batch.token_fields.get("weight_version")
@@ -187,6 +215,10 @@ def add_logprobs(policy: MegatronPolicy, reference: ReferencePolicy | None, batc
         batch.token_fields["ref_logp"], _ = reference.compute_logprobs(batch, temperature)
         if a.kl.as_reward:
             metrics.update(phases.kl_shaped_advantages(batch, a))
+    if a.distill.enabled:
+        if teacher is None:
+            raise RuntimeError("algo.distill needs the teacher (trainer.teacher.ensure_teacher builds it)")
+        batch.token_fields["teacher_logp"], _ = teacher.compute_logprobs(batch, temperature)
     return metrics
 
 

@@ -1,7 +1,8 @@
 """The phases of one GRPO step, each a function the loop in ``grpo.py`` calls in order.
 
-generate -> score -> make_batch (filter groups, advantages) -> old / reference log-probs (and the
-KL-shaped advantages with ``algo.kl.as_reward``) -> update -> sync.
+generate -> score -> make_batch (reward shaping, filter groups, advantages) -> old / reference /
+teacher log-probs (and the KL-shaped advantages with ``algo.kl.as_reward``, the token masks with
+``algo.token_mask``) -> update -> sync.
 The math lives in ``megatron_rl.algo``; this module only moves data between the components. Each
 phase takes the components and the config section it uses (``rollout``, ``algo``), never the run.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl.algo import (AlgoConfig, compute_advantages, filter_groups, kl_reward_penalty,
-                              policy_objective, sgd_schedule)
+                              policy_objective, sgd_schedule, shape_rewards)
 from megatron_rl.data import PromptRecord
 from megatron_rl.models.batch import MicroBatch, SequenceBatch, pad_token_fields
 from megatron_rl.rewards import RewardItem, RewardManager
@@ -88,13 +89,23 @@ def rollout_metrics(ro: Rollout, correct_reward: float) -> dict:
     }
 
 
-def make_batch(ro: Rollout, algo: AlgoConfig) -> tuple[SequenceBatch | None, dict]:
-    """Filter zero-variance groups, compute advantages, and lay the rollout out for the policy."""
-    adv, m_adv = compute_advantages(ro.rewards, ro.group_ids, ro.truncated, algo)
-    keep, m_filter = filter_groups(ro.rewards, ro.group_ids, algo)  # all kept when filtering is off
+def make_batch(ro: Rollout, algo: AlgoConfig, max_response_len: int | None = None
+               ) -> tuple[SequenceBatch | None, dict]:
+    """Shape the rewards (``algo.shaping``; ``max_response_len``: the stage's), filter zero-variance
+    groups, compute advantages, and lay the rollout out for the policy. Filtering and the
+    advantages see the shaped rewards; the rollout keeps the verifier's (accuracy, dumps)."""
+    lengths = torch.tensor([len(c.token_ids) for c in ro.completions], dtype=torch.float32)
+    rewards, m_shape = ro.rewards, {}
+    if algo.shaping.shapers:
+        if max_response_len is None:
+            raise ValueError("max_response_len: algo.shaping.shapers need the stage's max_response_len")
+        rewards, m_shape = shape_rewards(ro.rewards, ro.group_ids, lengths, algo,
+                                         max_response_len=max_response_len)
+    adv, m_adv = compute_advantages(rewards, ro.group_ids, ro.truncated, algo, lengths=lengths)
+    keep, m_filter = filter_groups(rewards, ro.group_ids, algo)  # all kept when filtering is off
     idx = keep.nonzero().flatten().tolist()
     ro.advantages, ro.batch_index = adv, idx
-    metrics = {**m_adv, **m_filter, "batch/sequences": float(len(idx))}
+    metrics = {**m_shape, **m_adv, **m_filter, "batch/sequences": float(len(idx))}
     if not idx:
         return None, metrics
     comps = [ro.completions[i] for i in idx]
@@ -106,7 +117,7 @@ def make_batch(ro: Rollout, algo: AlgoConfig) -> tuple[SequenceBatch | None, dic
                       # the weight version that sampled each token (async GRPO: older than the trainer's)
                       "weight_version": [torch.tensor(c.token_versions(), dtype=torch.long) for c in comps]},
         # rewards, groups and truncation travel along: algo.kl.as_reward recomputes the advantages
-        seq_fields={"advantages": adv[idx].float(), "rewards": ro.rewards[idx].float(),
+        seq_fields={"advantages": adv[idx].float(), "rewards": rewards[idx].float(),
                     "group_ids": ro.group_ids[idx], "truncated": ro.truncated[idx]},
     )
     metrics["batch/tokens"] = float(sum(len(c.token_ids) for c in comps))
@@ -138,6 +149,17 @@ def sft_batch(records: list[PromptRecord], tokenizer) -> SequenceBatch:
                          seq_fields={"advantages": torch.ones(len(seqs))})
 
 
+def sft_objective(algo: AlgoConfig) -> AlgoConfig:
+    """The objective the SFT cold start trains with: the run's aggregation and entropy settings with
+    the plain policy gradient (``reinforce``: at ratio 1 with advantage 1 every registered loss has
+    the NLL's gradient) and none of the terms that need a rollout (the engine's log-probs for a
+    mismatch correction or decoupled PPO, the KL reference, the distillation teacher, token masks),
+    which SFT's demonstrations do not have."""
+    return dataclasses.replace(algo, policy_loss="reinforce", clip=dataclasses.replace(algo.clip, dual_clip_c=None),
+                               mismatch=type(algo.mismatch)(), kl=type(algo.kl)(), distill=type(algo.distill)(),
+                               token_mask=type(algo.token_mask)())
+
+
 def kl_shaped_advantages(batch: SequenceBatch, algo: AlgoConfig) -> dict:
     """``algo.kl.as_reward``: each response's reward minus ``coef`` x its summed token KL(old || ref)
     (``algo.kl_reward_penalty``), and the advantages recomputed from those rewards within the kept
@@ -148,7 +170,8 @@ def kl_shaped_advantages(batch: SequenceBatch, algo: AlgoConfig) -> dict:
     penalty, metrics = kl_reward_penalty(padded["old_logp"], padded["ref_logp"], mask, algo)
     f = batch.seq_fields
     adv, m_adv = compute_advantages(f["rewards"] - penalty.to(f["rewards"].dtype), f["group_ids"],
-                                    f["truncated"], algo)
+                                    f["truncated"], algo,
+                                    lengths=torch.tensor(batch.response_lens, dtype=torch.float32))
     f["advantages"] = adv.float()
     return {**metrics, **m_adv}
 
@@ -176,6 +199,7 @@ def make_loss_fn(batch: SequenceBatch, algo: AlgoConfig, *, alpha: float, max_re
         return policy_objective(
             mb.logp, old, mb.fields["advantages"], mb.mask, algo, entropy=mb.entropy, alpha=alpha,
             rollout_logp=mb.fields.get("rollout_logp"), ref_logp=mb.fields.get("ref_logp"),
+            teacher_logp=mb.fields.get("teacher_logp"), token_mask=mb.fields.get("token_mask"),
             token_denominator=n_tokens, seq_denominator=n_seqs, max_response_len=max_response_len)
 
     return loss_fn

@@ -90,6 +90,10 @@ def validate_cross(cfg: RunConfig) -> None:
     if cfg.rollout.async_.dynamic_sampling and not cfg.algo.filter_zero_variance_groups:
         raise ConfigError("rollout.async.dynamic_sampling", "keeps drawing until the step has groups with reward "
                                                             "variance: it needs algo.filter_zero_variance_groups=true")
+    if cfg.rollout.async_.dynamic_sampling and cfg.algo.distill.enabled:
+        raise ConfigError("rollout.async.dynamic_sampling", "keeps drawing until the step has groups with reward "
+                                                            "variance, but with algo.distill every group trains (the "
+                                                            "teacher's signal): it would draw nothing more")
     ref = cfg.policy.reference
     if not cfg.algo.kl.enabled:
         for name, value in (("path", ref.path), ("offload", ref.offload)):
@@ -105,6 +109,18 @@ def validate_cross(cfg: RunConfig) -> None:
                                                 f"{cfg.algo.adv_estimator!r}: a group of one response "
                                                 f"has zero reward variance, so no response would ever "
                                                 f"get an advantage, got {cfg.rollout.group_size}")
+    a = cfg.algo
+    uses_k = a.adv_estimator == "passk" or "passk" in a.shaping.shapers
+    if uses_k and a.passk.k > cfg.rollout.group_size:
+        raise ConfigError("algo.passk.k", f"pass@{a.passk.k} needs groups of at least k responses: "
+                                          f"rollout.group_size is {cfg.rollout.group_size}")
+    if "overlong" in a.shaping.shapers:
+        for i, s in enumerate(cfg.stages):
+            if a.shaping.overlong_buffer >= s.max_response_len:
+                raise ConfigError("algo.shaping.overlong_buffer",
+                                  f"{a.shaping.overlong_buffer} must be shorter than stages[{i}] "
+                                  f"({s.name!r})'s max_response_len {s.max_response_len}: the soft "
+                                  f"zone is the last overlong_buffer tokens before it")
     if cfg.sft.control and not cfg.sft.enabled:
         raise ConfigError("sft.control", "needs sft.enabled=true: the control experiment starts from "
                                          "the cold start's checkpoint")

@@ -81,7 +81,8 @@ def sft_loop(ctx: Context, name: str, *, lr: float, stop_accuracy: float, max_se
         if ctx.stop_agreed():  # a signal: leave; SFT restarts from its start when the job is requeued
             return None, lr
         batch = ctx.broadcast(phases.sft_batch(loader.next_batch(), ctx.tokenizer) if ctx.is_driver else None)
-        loss_fn = with_nll(phases.make_loss_fn(batch, cfg.algo, alpha=0.0, max_response_len=None), batch)
+        loss_fn = with_nll(phases.make_loss_fn(batch, phases.sft_objective(cfg.algo), alpha=0.0,
+                                               max_response_len=None), batch)
         m = ctx.policy.train_step(batch, loss_fn, temperature=1.0, with_entropy=True)
         state.step = state.global_step = step
         done = bool(max_seconds) and ctx.broadcast(time.perf_counter() - t0 > max_seconds)

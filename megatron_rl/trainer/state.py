@@ -10,11 +10,13 @@
       metrics.jsonl, summary.json, rollouts/, logs/, report/index.html
 
 Saves are atomic: a checkpoint is written into a hidden staging directory next to it
-(``.step_000010.partial``), ``manifest.json`` (every file's size) and ``trainer_state.json`` last, and
+(``.step_000010.partial``), ``manifest.json`` (every file's size and XXH3-64 digest: the policy's
+shards, the rollouts generated ahead, the HF export, the wrong-label monitor's state) and
+``trainer_state.json`` last, and
 only then renamed to its name; a directory is deleted by renaming it to a hidden ``.trash-`` name
 first. So a kill at any moment of a save leaves either the old checkpoint or the new one under the
 name, never part of one; :meth:`RunDir.recover` (at start-up) finishes or clears what a kill left.
-A checkpoint damaged later (a truncated shard, an edited JSON file) is found by
+A checkpoint damaged later (a truncated shard, a flipped byte, an edited JSON file) is found by
 :func:`checkpoint_damage` before anything is loaded from it.
 """
 
@@ -31,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 
 from megatron_rl.common.errors import InputError
 
@@ -208,10 +211,22 @@ def remove_dir(path: Path) -> None:
 
 
 def write_manifest(ckpt: Path) -> None:
-    """Record the size of every file of a written checkpoint (checked by :func:`checkpoint_damage`)."""
-    sizes = {str(f.relative_to(ckpt)): f.stat().st_size for f in sorted(ckpt.rglob("*"))
-             if f.is_file() and f.name not in (MANIFEST_FILE, STATE_FILE)}
-    _write_json_atomic(ckpt / MANIFEST_FILE, sizes)
+    """Record the size and digest of every file of a written checkpoint, in every subdirectory
+    (checked by :func:`checkpoint_damage`); the trainer state, written after it, is checked by
+    parsing."""
+    files = {str(f.relative_to(ckpt)): {"size": f.stat().st_size, "xxh3_64": file_digest(f)}
+             for f in sorted(ckpt.rglob("*")) if f.is_file() and f.relative_to(ckpt).as_posix()
+             not in (MANIFEST_FILE, STATE_FILE)}
+    _write_json_atomic(ckpt / MANIFEST_FILE, files)
+
+
+def file_digest(path: Path, chunk: int = 8 << 20) -> str:
+    """XXH3-64 of a file's bytes (hex), read in chunks."""
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def commit(staging: Path, ckpt: Path) -> None:
@@ -241,10 +256,13 @@ def checkpoint_damage(ckpt: Path) -> str | None:
             raise ValueError("not an object")
     except (ValueError, UnicodeDecodeError) as exc:
         return f"{manifest}: damaged ({exc})"
-    for rel, size in sizes.items():
+    for rel, entry in sizes.items():
         f = ckpt / rel
+        size, digest = (entry, None) if isinstance(entry, int) else (entry.get("size"), entry.get("xxh3_64"))
         if not f.is_file():
             return f"{f}: missing"
         if f.stat().st_size != size:
             return f"{f}: {f.stat().st_size} bytes, {size} when it was written (truncated or overwritten)"
+        if digest is not None and file_digest(f) != digest:
+            return f"{f}: its contents changed since it was written (digest differs; same size)"
     return None

@@ -1,5 +1,7 @@
 """Stopping on a signal: SIGUSR1 / SIGTERM ask the run to finish the step, checkpoint and exit with
-:data:`REQUEUE_EXIT_CODE` ("requeue me"). The entry point installs the handlers."""
+:data:`REQUEUE_EXIT_CODE` ("requeue me"); a step still generating is given up instead, what it
+generated kept in the checkpoint (``trainer.async_rollout``: a preemption loses no finished group).
+The entry point installs the handlers."""
 
 from __future__ import annotations
 

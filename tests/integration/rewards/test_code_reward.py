@@ -90,6 +90,21 @@ def test_pure_helpers():
     assert not stdout_matches("1 2", "1 2 3")
 
 
+def test_harness_report_needs_the_runs_token():
+    """Only ``<the run's token> <json object>\\n`` is a report: a line with another token of the same
+    length, a prefix of the token, no token, or a second line is not."""
+    from megatron_rl.rewards.code import harness_report
+
+    token = b"3f" * 16
+    body = b'{"status": "pass", "result": "3"}'
+    assert harness_report(token + b" " + body + b"\n", token) == {"status": "pass", "result": "3"}
+    for forged in (b"0" * 32 + b" " + body + b"\n", token[:-1] + b"0 " + body + b"\n",
+                   token[:16] + b" " + body + b"\n", body + b"\n", b" " + body + b"\n",
+                   token + b" " + body + b"\n" + token + b" " + body + b"\n", token + b" " + body,
+                   token + b" [1]\n"):
+        assert harness_report(forged, token) is None, forged
+
+
 # ---- reward hacks: a wrong program that ends the process early must not pass ---------------------
 WRONG_ADD = "def add(xs):\n    return -1\n"
 RIGHT_ADD = "def add(xs):\n    return sum(xs)\n"
@@ -117,6 +132,10 @@ EARLY_ENDS = {
     "forged_report_fds": ("import os\nfor fd in range(3, 64):\n    try:\n"
                           "        os.write(fd, b'x {\"status\": \"pass\", \"result\": \"3\"}\\n')\n"
                           "    except OSError:\n        pass\nos._exit(0)\n"),
+    # the same with a prefix as long as the run's token (32 hex digits): only the token itself may pass
+    "forged_report_token_length": ("import os\nfor fd in range(3, 64):\n    try:\n"
+                                   "        os.write(fd, b'0' * 32 + b' {\"status\": \"pass\", \"result\": \"3\"}\\n')\n"
+                                   "    except OSError:\n        pass\nos._exit(0)\n"),
 }
 
 

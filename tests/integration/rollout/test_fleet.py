@@ -7,7 +7,9 @@ with SIGKILL: every server it started, the one its supervisor thread restarted t
 References: one server alone (the fleet must sample exactly what it samples, whichever engine serves
 a prompt); Hugging Face transformers with the weights sent (greedy tokens equal, sampled-token
 log-probs equal a teacher-forced float64 pass). Faults: a bucket corrupted in flight, a server killed
-with SIGKILL mid-generation (its process group, as a lost node), a server stopped with SIGSTOP.
+with SIGKILL mid-generation (its process group, as a lost node), a server stopped with SIGSTOP, every
+server lost at once mid-generation (one SIGTERM'd, which vLLM survives refusing connections, two
+SIGKILLed: the owner's launcher restarts all three, the sync re-loads the last weights).
 """
 
 from __future__ import annotations
@@ -1010,6 +1012,72 @@ def test_async_fleet_trainer_one_step_off_with_partial_rollouts_and_oversampling
         fleet.close()
 
 
+def test_fleet_trainer_preempted_mid_generation_keeps_its_finished_groups(fleet_env, tmp_path):
+    """A preemption (SIGUSR1) while a step waits for its groups (one server stopped: the step cannot
+    finish): the trainer gives the step up, the servers answer what they have (/pause?mode=abort),
+    the checkpoint keeps the groups that finished (its log says how many, and how many are to be
+    redrawn) and the run exits 99. Resumed, it trains those groups as they were, token for token, and
+    finishes."""
+    import re
+    import shutil
+    import sys
+
+    from megatron_rl.tracking.rollouts import read_rollouts
+
+    run, servers = tmp_path / "preempt", fleet_env["servers"]
+    shutil.copytree(fleet_env["model"], run / "base_model")
+    urls = [r.url for r in EngineRegistry(fleet_env["registry"]).records().values()]
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(REPO / "configs/demo_cpu.yaml"),
+           "--run-dir", str(run), *MINI, "sft.enabled=false", "stages=[{name: s1, max_response_len: 12, max_steps: 2}]",
+           "rollout.engine=vllm_server", "rollout.placement=external", f"rollout.server_urls=[{','.join(urls)}]",
+           "rollout.max_num_seqs=16", "rollout.hedge_after=0", "rollout.control_timeout_s=5", "rollout.timeout_s=120",
+           "sync.transport=gloo", "sync.bucket_bytes=65536", "sync.timeout_s=10", "trainer.save_every=1",
+           "algo.filter_zero_variance_groups=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    out = open(tmp_path / "first.out", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    stopped = False
+    try:
+        deadline = time.monotonic() + 600
+        while not any(r["stage"] == "s1" for r in (_rows(run) if (run / "metrics.jsonl").exists() else [])):
+            assert proc.poll() is None, (tmp_path / "first.out").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        servers.signal(2, signal.SIGSTOP)  # step 2's requests on it never answer
+        stopped = True
+        time.sleep(4.0)  # step 2 waits for its groups (a step takes ~1 s with three servers)
+        proc.send_signal(signal.SIGUSR1)
+        assert proc.wait(timeout=120) == 99, (tmp_path / "first.out").read_text()[-3000:]
+    finally:
+        if stopped:
+            servers.signal(2, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+    log = (run / "logs" / "run.log").read_text()
+    assert "stop requested while step 1 was generating" in log, log[-3000:]
+    saved = re.findall(r"rollouts saved with the checkpoint: (\d+) groups generated and not trained on "
+                       r"\((\d+) partial responses among them, continued on resume\), (\d+) to redraw", log)
+    assert saved, log[-3000:]
+    kept, _, redraw = (int(x) for x in saved[-1])
+    assert kept >= 1 and redraw >= 1 and kept + redraw == 8, saved  # the stopped server's to redraw
+    state = torch.load(run / "s1" / "checkpoints" / "step_000001" / "rollouts.pt", weights_only=True)
+    groups = [g for g in state["groups"] if g["completions"] is not None]
+    assert len(groups) == kept
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert f"{kept} groups generated before the checkpoint kept" in (run / "logs" / "run.log").read_text()
+    steps = [r for r in _rows(run) if r["stage"] == "s1"]
+    assert [r["step"] for r in steps] == [1, 2]  # the interrupted step ran once, after the resume
+    dump = read_rollouts(run)
+    dump = dump[dump["global_step"] == 2].sort_values(["prompt_uid", "sample"])
+    trained = {tuple(tuple(x) for x in g["response_ids"]) for _, g in dump.groupby("prompt_uid")}
+    assert len(trained) == 8
+    for g in groups:  # trained as they were saved, token for token
+        assert tuple(tuple(c["token_ids"]) for c in g["completions"]) in trained, g["index"]
+
+
 # ------------------------------------------------- the config-key walk of the fleet's keys (real servers)
 # Every key of tests/unit/config/fleet_keys.py changes something observable on these servers (the
 # rest of the walk: tests/unit/config/test_every_key_acts.py). A probe changes one key (after its
@@ -1406,6 +1474,60 @@ def test_changing_a_fleet_key_changes_what_it_drives(key, fleet_env):
         _WALKED[memo] = probe.observe(config(given), fleet_env)
     after = probe.observe(config(given + [f"{key}={probe.value}"] + probe.also), fleet_env)
     assert _WALKED[memo] != after, f"{key}={probe.value} changed nothing its probe observes: {after}"
+
+# ------------------------------------------------ every server lost mid-step (their owner restarts them)
+def test_fleet_every_server_lost_mid_step_is_restarted_revived_and_the_step_samples_the_same(fleet_env):
+    """All three servers lost mid-generation: one gets SIGTERM (vLLM then refuses connections and
+    never exits, so its launcher must treat it as terminating: kill its group, start it again), two
+    get SIGKILL. The requests wait (rollout.start_timeout_s) for the owner's launcher to restart them
+    (together); the sync loads the last weights it sent into each one that answers and verifies them
+    (checksums, version, its probe against transformers) before any request reaches it; every
+    request is re-sent with its seed: the samples of the step before the loss, at the same version."""
+    hf, servers = fleet_env["hf"], fleet_env["servers"]
+    fleet = _fleet(fleet_env, hedge_after=0.0, max_inflight_seqs=8)
+    sync = _sync(fleet_env, fleet)  # the fleet's reviver
+    victim = fleet.engines[0]
+    real_submit, state = victim.submit, {"calls": 0}
+
+    async def submit(prompt_ids, sampling, **kw):
+        state["calls"] += 1
+        if state["calls"] == 2:  # requests in flight on every server
+            servers.signal(0, signal.SIGTERM)
+            servers.signal(1, signal.SIGKILL)
+            servers.signal(2, signal.SIGKILL)
+        return await real_submit(prompt_ids, sampling, **kw)
+
+    try:
+        sync.set_probe(_probe(hf))
+        version = _next_version(fleet_env)
+        assert sync.sync(_named(hf), version=version).complete
+        want = fleet.generate(PROMPTS, SAMPLE)
+        fleet.pop_metrics()
+        old = [servers.pid(i) for i in range(len(NAMES))]
+        victim.submit = submit
+        t0 = time.monotonic()
+        got = fleet.generate(PROMPTS, SAMPLE)
+        lost_s = time.monotonic() - t0
+        victim.submit = real_submit
+        m = fleet.pop_metrics()
+        assert _tokens(got) == _tokens(want), "a re-sent prompt was sampled differently"
+        assert {c.weight_version for g in got for c in g} == {version}
+        assert m["rollout/revivals"] == 1 and m["rollout/requeued_requests"] >= 3, m
+        deadline = time.monotonic() + 240
+        while not all(servers.pid(i) not in (None, old[i]) and servers.healthy(i) for i in range(len(NAMES))):
+            assert time.monotonic() < deadline, f"not every server came back: {servers.registry.records()}"
+            time.sleep(0.5)
+        assert live_in_group(old[0]) == [], "the SIGTERM'd server's processes were left running"
+        # every server rejoins at the next sync, all on one version again
+        version = _next_version(fleet_env)
+        m = sync.sync(_named(hf), version=version)
+        assert m.complete and m.engines == 3 and m.probe_gap_max < 1e-4, m
+        print(f"step with every server lost: {lost_s:.1f} s (load {os.getloadavg()[0]:.1f})")
+    finally:
+        victim.submit = real_submit
+        sync.close()
+        fleet.close()
+
 
 # ------------------------------------------------------------ last: the servers die with their owner
 def test_servers_die_with_their_owner_killed_by_sigkill(fleet_env):

@@ -141,7 +141,7 @@ def test_nan_reward_error_names_the_row():
         advantages([1.0, float("nan"), 0.0], [0, 0, 0])
 
 
-@pytest.mark.parametrize("kwargs, name", [({"adv_estimator": "rloo"}, "algo.adv_estimator"),
+@pytest.mark.parametrize("kwargs, name", [({"adv_estimator": "loo"}, "algo.adv_estimator"),
                                           ({"truncation_mask": "later"}, "algo.truncation_mask")])
 def test_unknown_modes_in_an_unvalidated_config_named(kwargs, name):
     with pytest.raises(ValueError, match=f"^{name}: unknown"):

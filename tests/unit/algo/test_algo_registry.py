@@ -9,7 +9,7 @@ from megatron_rl.common import Registry
 
 
 @register_adv_estimator("test_raw_reward")
-def _raw(rewards, index, in_stats, num_groups, cfg):
+def _raw(rewards, groups, cfg):
     return rewards.clone()
 
 
@@ -29,10 +29,10 @@ def test_duplicate_name_refused():
 
 
 def test_unknown_name_lists_valid_names():
-    with pytest.raises(KeyError, match=r"unknown policy loss 'ppo'; valid names are \['ppo_clip'"):
+    with pytest.raises(KeyError, match=r"unknown policy loss 'ppo'; valid names are \['cispo', 'decoupled_ppo', 'gspo', 'ppo_clip'"):
         POLICY_LOSSES["ppo"]
     with pytest.raises(KeyError, match="'dr_grpo', 'grpo'"):
-        ADV_ESTIMATORS["rloo"]
+        ADV_ESTIMATORS["loo"]
 
 
 def test_registry_is_a_read_only_mapping():

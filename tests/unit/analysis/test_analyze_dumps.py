@@ -46,6 +46,11 @@ def test_analyze_dump_round_trip(tmp_path):
     d.write(102, columns(2))
     df = read_rollouts(tmp_path)
     assert len(df) == 120 and sorted(df["global_step"].unique()) == [101, 102]
+    # A resume from step 101's checkpoint: the dumps of later steps go (they run again), and a dumper
+    # opened on the directory counts what is left
+    again = RolloutDumper(RolloutDumpConfig(), tmp_path)
+    assert again.forget_after(101) == 1 and not step_path(tmp_path, 102).exists()
+    assert again.bytes == path.stat().st_size == RolloutDumper(RolloutDumpConfig(), tmp_path).bytes
 
 
 def test_analyze_dump_sampling_keeps_whole_groups_of_the_same_prompts(tmp_path):

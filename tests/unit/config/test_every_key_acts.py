@@ -25,9 +25,11 @@ import dataclasses
 import json
 import sys
 import threading
+import zlib
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import pytest
@@ -109,6 +111,9 @@ def run_fake(cfg: RunConfig, tmp: Path, *, drop_version: bool = False, stale: bo
         ctx.observer = build_observer(cfg, root, ctx.tracker)
     if cfg.algo.kl.enabled:  # a frozen copy of the start (the real one is Megatron: integration)
         ctx.reference = fake_run.BigramPolicy(len(tok), fake_run.Log(), seed=1)
+    if cfg.algo.distill.enabled:  # a bigram teacher whose weights the checkpoint path names
+        ctx.teacher = fake_run.BigramPolicy(len(tok), fake_run.Log(),
+                                            seed=zlib.crc32(cfg.algo.distill.teacher.encode()) % 997)
     ctx.weight_sync = build_weight_sync(cfg.sync, engine)
     ctx.weight_sync.connect()
     try:
@@ -201,6 +206,33 @@ def observe_wandb(cfg: RunConfig, tmp: Path, monkeypatch=None):
     finally:
         wandb.init = original
     return calls
+
+
+def observe_teacher_build(cfg: RunConfig, tmp: Path):
+    """What the distillation teacher is built from: ``trainer.teacher.ensure_teacher`` with the
+    model builder at its boundary (the real build is Megatron's: tests/e2e)."""
+    from megatron_rl.demo.tiny import build_char_tokenizer
+    from megatron_rl.models import reference
+    from megatron_rl.trainer import teacher
+
+    asked = []
+    built = SimpleNamespace(arch=SimpleNamespace(model_type="llama", num_layers=1, hidden_size=8),
+                            offload=False)
+    real, read = reference.ReferencePolicy.from_hf, teacher.check_teacher_tokenizer
+    reference.ReferencePolicy.from_hf = lambda path, policy, groups, **kw: asked.append((path, kw)) or built
+    teacher.check_teacher_tokenizer = lambda *a: None
+    ctx = SimpleNamespace(cfg=cfg, teacher=None, groups=None, tokenizer=build_char_tokenizer())
+    try:
+        from megatron_rl.models import hf_config
+
+        vocab, hf_config.read_hf_config = hf_config.read_hf_config, lambda p: SimpleNamespace(vocab_size=99)
+        try:
+            teacher.ensure_teacher(ctx)
+        finally:
+            hf_config.read_hf_config = vocab
+    finally:
+        reference.ReferencePolicy.from_hf, teacher.check_teacher_tokenizer = real, read
+    return asked
 
 
 def observe_init_from(cfg: RunConfig, tmp: Path):
@@ -482,6 +514,8 @@ PLATEAU = ["eval.every=1", "algo.correct_reward=0.3",
 # pass rate on the source (~0.25) does not stop suspects.
 WL = ["data.max_rows=4", "data.wrong_labels.min_samples=3", "data.wrong_labels.window=0",
       "data.wrong_labels.min_source_pass_rate=0.0", "data.wrong_labels.suspect_max_pass_rate=0.4"]
+PASSK = ["algo.adv_estimator=passk", "algo.passk.k=3", "algo.correct_reward=0.6"]
+DISTILL = ["algo.distill.coef=1.0", "algo.distill.teacher={walk}/teacher_a"]
 JUDGE = ["reward.judge.mode=main", "reward.judge.base_url={judge}", "reward.judge.model=j",
          "reward.judge.styles=[exact_boxed]"]
 
@@ -516,6 +550,20 @@ PROBES: dict[str, Probe] = {
     "algo.mismatch.icepop_high": Probe("1.01", R, ["algo.mismatch.mode=icepop"]),
     "algo.n_sgd": Probe("2", R),
     "algo.mini_batches": Probe("2", R),
+    # issue 29 / 31 variants: the decoupled objective, pass@k, reward shapers, token masks, distillation
+    "algo.decoupled.cap": Probe("1.01", R, ["algo.policy_loss=decoupled_ppo"]),
+    "algo.decoupled.over_cap": Probe("mask", R, ["algo.policy_loss=decoupled_ppo", "algo.decoupled.cap=1.01"]),
+    "algo.passk.k": Probe("2", R, PASSK),
+    "algo.shaping.shapers": Probe("[overlong, length_penalty]", R),
+    "algo.shaping.overlong_buffer": Probe("2", R, ["algo.shaping.shapers=[overlong]"]),
+    "algo.shaping.overlong_penalty": Probe("0.3", R, ["algo.shaping.shapers=[overlong]"]),
+    "algo.shaping.length_coef": Probe("0.5", R, ["algo.shaping.shapers=[length_penalty]"]),
+    "algo.token_mask.mode": Probe("high_entropy", R),
+    "algo.token_mask.frac": Probe("0.5", R, ["algo.token_mask.mode=low_entropy"]),
+    "algo.distill.coef": Probe("0.2", R, DISTILL),
+    "algo.distill.mode": Probe("replace", R, DISTILL),
+    "algo.distill.teacher": Probe("{walk}/teacher_b", R, DISTILL),
+    "algo.distill.offload": Probe("true", observe_teacher_build, DISTILL),
     # rollout sampling: what the engine is asked for, and what the run does with it
     "rollout.rollout_batch_size": Probe("2", R),
     "rollout.group_size": Probe("2", R),

@@ -273,6 +273,15 @@ def test_a_server_key_with_the_in_process_engine_is_refused(cfg_file, key):
     assert err.key == key and "ignores it" in str(err) and ("engine='vllm'" in str(err) or "inprocess" in str(err))
 
 
+def test_dynamic_sampling_with_distill_is_refused(cfg_file):
+    """Distillation trains every group (all-wrong ones carry the teacher's signal): dynamic sampling
+    would have no group to skip."""
+    distill = ["algo.distill.coef=1.0", "algo.distill.teacher=t"]
+    load_run_config(cfg_file, ["rollout.async.dynamic_sampling=true"])
+    err = _error(cfg_file, ["rollout.async.dynamic_sampling=true", *distill])
+    assert err.key == "rollout.async.dynamic_sampling" and "algo.distill" in str(err)
+
+
 def test_max_draw_factor_needs_dynamic_sampling(cfg_file):
     load_run_config(cfg_file, ["rollout.async.dynamic_sampling=true", "rollout.async.max_draw_factor=2.0"])
     load_run_config(cfg_file, ["rollout.async.max_draw_factor=3.0"])  # the default, stated

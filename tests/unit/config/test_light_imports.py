@@ -19,19 +19,19 @@ CHECK = """
 import json, sys
 from megatron_rl.tools.job_config import check_job_config
 from megatron_rl.trainer.schema import load_run_config
-from megatron_rl.algo.registry import ADV_ESTIMATORS, POLICY_LOSSES
+from megatron_rl.algo.registry import ADV_ESTIMATORS, POLICY_LOSSES, REWARD_SHAPERS, TOKEN_MASKS
 from megatron_rl.algo.config import AlgoConfig
 for path in sys.argv[1:]:
     load_run_config(path)
 check_job_config(sys.argv[1], ["algo.adv_estimator=dr_grpo", "algo.policy_loss=reinforce"], index=1)
 try:
-    AlgoConfig(adv_estimator="rloo").validate()
+    AlgoConfig(adv_estimator="loo").validate()
     refused = ""
 except Exception as exc:
     refused = str(exc)
 heavy = sorted(m for m in %r if m in sys.modules)
 print(json.dumps({"heavy": heavy, "names": sorted(ADV_ESTIMATORS), "losses": sorted(POLICY_LOSSES),
-                  "refused": refused}))
+                  "shapers": sorted(REWARD_SHAPERS), "masks": sorted(TOKEN_MASKS), "refused": refused}))
 """ % (HEAVY,)
 
 
@@ -44,8 +44,12 @@ def test_loading_and_validating_configs_imports_no_torch():
     got = json.loads(out.stdout.splitlines()[-1])
     assert got["heavy"] == [], f"config checks imported {got['heavy']}"
     # the built-in variants are known (and checked) without importing their modules
-    assert got["names"] == ["dr_grpo", "grpo"] and got["losses"] == ["ppo_clip", "reinforce"]
-    assert "unknown advantage estimator 'rloo'; valid names are ['dr_grpo', 'grpo']" in got["refused"]
+    assert got["names"] == ["dr_grpo", "grpo", "grpo_passk", "passk", "reinforce_plus_plus",
+                            "reinforce_plus_plus_baseline", "rloo"]
+    assert got["losses"] == ["cispo", "decoupled_ppo", "gspo", "ppo_clip", "reinforce"]
+    assert got["shapers"] == ["length_penalty", "overlong", "passk"]
+    assert got["masks"] == ["high_entropy", "low_entropy"]
+    assert "unknown advantage estimator 'loo'; valid names are ['dr_grpo', 'grpo'" in got["refused"]
 
 
 def test_a_declared_name_imports_its_module_at_first_lookup():
@@ -60,10 +64,10 @@ def test_a_declared_name_imports_its_module_at_first_lookup():
 
 
 def test_every_built_in_variant_is_declared_and_registered():
-    from megatron_rl.algo import advantages, policy_loss  # noqa: F401  (their decorators register)
-    from megatron_rl.algo.registry import ADV_ESTIMATORS, POLICY_LOSSES
+    from megatron_rl.algo import advantages, policy_loss, shaping, token_mask  # noqa: F401  (they register)
+    from megatron_rl.algo.registry import ADV_ESTIMATORS, POLICY_LOSSES, REWARD_SHAPERS, TOKEN_MASKS
 
-    for reg in (ADV_ESTIMATORS, POLICY_LOSSES):
+    for reg in (ADV_ESTIMATORS, POLICY_LOSSES, REWARD_SHAPERS, TOKEN_MASKS):
         built_in = {n for n, fn in reg._entries.items() if fn.__module__.startswith("megatron_rl.")}
         assert built_in == set(reg._declared), reg
         assert all(reg._entries[n].__module__ == m for n, m in reg._declared.items())

@@ -110,3 +110,41 @@ def test_config_rejects_bad_values_naming_the_key():
         SyncConfig.from_dict({"retries": -1}, prefix="sync").validate()
     with pytest.raises(ConfigError, match=r"sync.bucket_size"):
         SyncConfig.from_dict({"bucket_size": 10}, prefix="sync")
+
+
+def test_host_digest_changes_with_any_byte_and_with_two_words_swapped():
+    """The gloo transport's bucket checksum (XXH3-64 of the bytes, read in place): equal to the
+    library's hash of the same bytes copied out (the reference), the same on a copy, and different
+    when any single byte changes or any two 8-byte words trade places."""
+    import xxhash
+
+    from megatron_rl.sync import gloo
+    from megatron_rl.sync.buckets import host_digest
+
+    assert gloo.BUCKET_HASH is host_digest  # the one definition both ends of the transport use
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (8 * 96 + 5,), dtype=torch.uint8, generator=g)  # whole words and a tail
+    base = host_digest(data)
+    assert base == host_digest(data.clone())
+    ref = xxhash.xxh3_64_intdigest(bytes(data.tolist()))
+    assert base & ((1 << 64) - 1) == ref and -(1 << 63) <= base < (1 << 63)  # fits an int64 tensor
+    for i in range(data.numel()):  # every byte position, one bit and a whole-byte change
+        for delta in (1, 0x80):
+            changed = data.clone()
+            changed[i] ^= delta
+            assert host_digest(changed) != base, (i, delta)
+    words = data[: 8 * 96].view(torch.int64)
+    for i in range(96):
+        for j in range(i + 1, 96):
+            if words[i] == words[j]:
+                continue
+            swapped = data.clone()
+            sw = swapped[: 8 * 96].view(torch.int64)
+            sw[i], sw[j] = words[j].item(), words[i].item()
+            assert host_digest(swapped) != base, (i, j)
+    # a float tensor is hashed by its bytes: -0.0 and 0.0 differ
+    assert host_digest(torch.tensor([0.0])) != host_digest(torch.tensor([-0.0]))
+    # in place: the digest of a bucket slice reads that slice, not the buffer around it
+    buf = torch.zeros(64, dtype=torch.uint8)
+    buf[:16] = data[:16]
+    assert host_digest(buf[:16]) == host_digest(data[:16])

@@ -353,3 +353,64 @@ def test_async_config_refuses_what_it_cannot_do():
                   async_=AsyncConfig(max_staleness=1, partial_rollout=True, oversample=0.5)).validate()
     with pytest.raises(ValueError, match="in flight"):
         _scheduler(_cfg(max_staleness=1, partial_rollout=True), FakeEngine())
+
+
+def test_a_partial_sample_and_its_continuation_join_end_to_end_with_each_tokens_version():
+    from megatron_rl.trainer.async_rollout import join_completions
+
+    part = Completion(token_ids=[5, 6, 7], logprobs=[-0.1, -0.2, -0.3], text="abc", finish_reason="abort",
+                      truncated=False, weight_version=3, engine="e0")
+    rest = Completion(token_ids=[8, 9], logprobs=[-0.4, -0.5], text="de", finish_reason="stop", truncated=False,
+                      weight_version=4, engine="e1")
+    c = join_completions(part, rest)
+    assert (c.token_ids, c.logprobs, c.text, c.finish_reason) == ([5, 6, 7, 8, 9], [-0.1, -0.2, -0.3, -0.4, -0.5],
+                                                                  "abcde", "stop")
+    assert c.token_versions() == [3, 3, 3, 4, 4] and c.weight_version == 3 and c.newest_version == 4 and c.partial
+    # one version throughout: no spans; a partial that already spans two versions keeps them
+    same = join_completions(part, Completion(**{**rest.__dict__, "weight_version": 3}))
+    assert same.version_spans == [] and same.token_versions() == [3] * 5
+    spanning = Completion(**{**part.__dict__, "version_spans": [(2, 0, 1), (3, 1, 3)]})
+    assert join_completions(spanning, rest).token_versions() == [2, 3, 3, 4, 4]
+    empty = Completion(**{**part.__dict__, "token_ids": [], "logprobs": [], "text": ""})
+    assert join_completions(empty, rest).token_versions() == [4, 4]
+
+
+class _LateStream(FakeStream):
+    """Every group answers ``delay`` s after it was submitted (a fleet re-sending a request whose
+    engine timed out, or waiting for restarts); ``progress``: the stream reports its progress as now
+    (it is working on it), else it reports none."""
+
+    def __init__(self, delay, progress):
+        super().__init__(slow=lambda index: False)
+        self.delay, self.progress = delay, progress
+
+    def submit(self, prompt_ids, sampling, tags, on_done):
+        import threading
+
+        groups = [(tag, self._group(p, sampling.prompt_seed(i), sampling.n, [self.weight_version]))
+                  for i, (p, tag) in enumerate(zip(prompt_ids, tags))]
+        threading.Timer(self.delay, on_done, args=(groups,)).start()
+
+    def last_progress(self):
+        import time
+
+        return time.monotonic() if self.progress else None
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_async_watchdog_counts_timeout_from_the_engines_last_progress(progress):
+    """A wave that takes 2.5x rollout.timeout_s is waited for while the engine reports progress (a
+    re-sent request, a revival) and times out, naming the key, when it reports none."""
+    import dataclasses
+
+    cfg = _cfg(max_staleness=1)
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, timeout_s=0.4))
+    eng = _LateStream(delay=1.0, progress=progress)
+    sched, _ = _scheduler(cfg, eng)
+    if progress:
+        ro, _m = sched.next_rollout(0, 100, 0, timer)
+        assert len(ro.records) == cfg.rollout.rollout_batch_size
+    else:
+        with pytest.raises(TimeoutError, match="rollout.timeout_s"):
+            sched.next_rollout(0, 100, 0, timer)
+    sched.close()

@@ -6,6 +6,7 @@ protocol under real kill -9 with the real policy: tests/integration/trainer/test
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -132,3 +133,50 @@ def test_prune_keeps_the_newest(run):
 def test_read_state_of_a_missing_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
         RunDir.read_state(tmp_path)
+
+
+def test_a_written_checkpoint_lists_every_file_and_any_changed_byte_is_found(tmp_path):
+    """write_checkpoint (the trainer's save, with a stand-in policy) with what a step and a stage end
+    add: the rollouts generated ahead, the HF export, the wrong-label monitor's state. The manifest
+    lists every file the checkpoint holds (all but itself and the trainer state, which is parsed);
+    one byte changed in any of them (same size) or a truncation is found, naming the file."""
+    import json
+
+    import torch
+
+    from megatron_rl.trainer.async_rollout import STATE_FILE as ROLLOUTS_FILE
+    from megatron_rl.trainer.checkpointing import MONITOR_FILE, write_checkpoint
+
+    def save_policy(path):
+        Path(path).mkdir(parents=True)
+        for name, size in (("__0_0.distcp", 3000), ("__1_0.distcp", 2000), (".metadata", 100)):
+            (Path(path) / name).write_bytes(bytes(range(256)) * (size // 256) + b"z" * (size % 256))
+
+    def also(staging):  # what save_checkpoint / finish_stage pass: rollouts, the HF export
+        torch.save({"groups": [{"completions": [[1, 2, 3]]}]}, staging / ROLLOUTS_FILE)
+        (staging / "hf").mkdir()
+        (staging / "hf" / "model.safetensors").write_bytes(b"\x01" * 4096)
+        (staging / "hf" / "config.json").write_text('{"model_type": "llama"}')
+
+    ctx = SimpleNamespace(is_driver=True, groups=SimpleNamespace(barrier=lambda: None),
+                          policy=SimpleNamespace(save_checkpoint=save_policy),
+                          entropy_ctl=SimpleNamespace(state_dict=lambda: {"alpha": 0.1}),
+                          observer=SimpleNamespace(monitor=SimpleNamespace(state_dict=lambda: {"counts": [1, 2]})))
+    ckpt = tmp_path / "run" / "s" / "checkpoints" / "step_000004"
+    write_checkpoint(ctx, ckpt, TrainerState(stage="s", step=4), None, also=also)
+    held = sorted(str(f.relative_to(ckpt)) for f in ckpt.rglob("*") if f.is_file())
+    listed = sorted(json.loads((ckpt / "manifest.json").read_text()))
+    assert listed == sorted(set(held) - {"manifest.json", STATE_FILE})
+    assert {ROLLOUTS_FILE, "hf/model.safetensors", "hf/config.json", MONITOR_FILE,
+            "policy/.metadata"} <= set(listed)
+    assert checkpoint_damage(ckpt) is None
+    for rel in listed:
+        f = ckpt / rel
+        original = f.read_bytes()
+        for damaged in (original[:-1], original[:len(original) // 2] + bytes([original[len(original) // 2] ^ 1])
+                        + original[len(original) // 2 + 1:]):
+            f.write_bytes(damaged)
+            problem = checkpoint_damage(ckpt)
+            assert problem is not None and str(f) in problem, (rel, problem)
+        f.write_bytes(original)
+        assert checkpoint_damage(ckpt) is None
