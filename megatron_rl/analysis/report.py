@@ -79,6 +79,7 @@ def summary_rows(data: RunData, facts: dict) -> list[tuple[str, str]]:
         gap = data.rollouts["logp_gap_mean"].dropna()
         if len(gap):
             rows.append(("train-inference log-prob gap", f"median {gap.median():.2e}, max {gap.max():.2e} per sample"))
+    rows += episode_rows(data)
     wl = data.wrong_labels
     if wl is not None:
         rows.append(("suspected wrong labels (live)",
@@ -90,6 +91,41 @@ def summary_rows(data: RunData, facts: dict) -> list[tuple[str, str]]:
                      f"prompts sampled, precision {_pct(facts['wrong_label_precision'])}; planted hard "
                      f"prompts on the list: {facts['planted_hard_on_list']} of {facts['planted_hard_seen']} sampled"))
     return rows
+
+
+def episode_rows(data: RunData) -> list[tuple[str, str]]:
+    """Multi-turn rollouts (prompts with an environment): turns, tool calls and faults, first → last step."""
+    m = data.metrics
+    if "env/trajectories" not in m:
+        return []
+    rows = [("turns per trajectory, first → last step", _first_last(data, "env/turns_mean")),
+            ("tool calls per trajectory, first → last step", _first_last(data, "env/tool_calls_mean")),
+            ("tool errors / timeouts / refused (budget), all steps",
+             " / ".join(f"{int(m[k].sum()) if k in m else 0}" for k in
+                        ("env/tool_errors", "env/tool_timeouts", "env/tool_budget_exhausted"))),
+            ("observation tokens (never trained on), first → last step",
+             _first_last(data, "env/observation_token_share"))]
+    for key, what in (("env/accuracy_with_tool", "with"), ("env/accuracy_without_tool", "without")):
+        if key in m:
+            rows.append((f"rollout accuracy {what} a tool call, first → last step", _first_last(data, key)))
+    return rows
+
+
+def episodes_section(data: RunData, n: int = 12) -> str:
+    """A few multi-turn trajectories of the last dumped step, turn by turn ('' without any)."""
+    r = data.rollouts
+    if r is None or "messages" not in r or "env" not in r or not r["env"].notna().any():
+        return ""
+    last = r[r["env"].notna()]
+    last = last[last["grpo_step"] == last["grpo_step"].max()].head(n)
+    rows = [{"prompt": row["prompt"], "uid": row["prompt_uid"], "reward": row["reward"],
+             "turns": row["turns"], "tool_calls": row["tool_calls"],
+             "messages": " ‖ ".join(f"{m['role']}: {m['text']}" for m in row["messages"])}
+            for _, row in last.iterrows()]
+    return ("<p class=what>The last dumped step's first trajectories, turn by turn (assistant turns and the "
+            "tools' observations, which are never trained on).</p>"
+            + _table(rows, [("uid", "prompt id"), ("prompt", "prompt"), ("messages", "turns"),
+                            ("turns", "model turns"), ("tool_calls", "tool calls"), ("reward", "reward")]))
 
 
 def _table(rows: list[dict], columns: list[tuple[str, str]], marks: dict | None = None) -> str:
@@ -105,7 +141,7 @@ def _table(rows: list[dict], columns: list[tuple[str, str]], marks: dict | None 
                 cells.append("<td></td>" if ok is None else f"<td class={'ok' if ok else 'bad'}>"
                              f"{'planted' if ok else 'not planted'}</td>")
             else:
-                cls = " class=text" if key in ("prompt", "uid") else ""
+                cls = " class=text" if key in ("prompt", "uid", "messages") else ""
                 cells.append(f"<td{cls}>{html.escape(_fmt(r.get(key)))}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
     more = f"<p>… and {len(rows) - TABLE_ROWS} more (RUN_DIR/rollouts/wrong_labels.json)</p>" if len(rows) > TABLE_ROWS else ""
@@ -157,6 +193,10 @@ def render(data: RunData, facts: dict, out_dir: Path) -> Path:
         if fid == "rule_map":
             sections.append(f'<section id="wrong_labels"><h2>Suspected wrong labels</h2>{wrong_label_section(data)}</section>')
             nav.append('<a href="#wrong_labels">Suspected wrong labels</a>')
+    episodes = episodes_section(data)
+    if episodes:
+        sections.append(f'<section id="multi_turn"><h2>Multi-turn trajectories</h2>{episodes}</section>')
+        nav.append('<a href="#multi_turn">Multi-turn trajectories</a>')
     summary = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>"
                       for k, v in summary_rows(data, facts))
     name = html.escape(data.root.resolve().name)

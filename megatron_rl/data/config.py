@@ -23,6 +23,9 @@ class DataConfig(ConfigBase):
     style_key: str = "reward_model.style"
     data_source_key: str = "data_source"
     extra_key: str = "extra_info"
+    # Dotted path of the environment a row names (a multi-turn prompt with tools, megatron_rl.envs;
+    # missing or "": none, unless envs.env_map / envs.default_env give one); "": never read.
+    env_key: str = "extra_info.env"
     # "auto": apply the tokenizer's chat template when it has one; "always" (error without one);
     # "never": the prompt text is the messages' contents joined by newlines.
     chat_template: str = "auto"

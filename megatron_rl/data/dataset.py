@@ -43,6 +43,8 @@ class PromptRecord:
     uid: str = ""
     # 1-based row number in the source file (the annotated copy is matched by it).
     row: int = 0
+    # The environment the row names (data.env_key; "": none): a multi-turn prompt (megatron_rl.envs).
+    env: str = ""
 
 
 def read_rows(path: str | Path, max_rows: int = 0) -> Iterator[tuple[int, Any]]:
@@ -226,9 +228,13 @@ def load_prompts(path: str | Path, tokenizer, cfg: DataConfig | None = None,
             style = get_path(row, cfg.style_key, "") or ""
             source = get_path(row, cfg.data_source_key, "") or ""
             extra = get_path(row, cfg.extra_key, None) or {}
+            env = (get_path(row, cfg.env_key, "") or "") if cfg.env_key else ""
             if not isinstance(style, str) or not isinstance(source, str) or not isinstance(extra, dict):
                 raise DataError(f"{path}: row {rowno}: style and data_source must be strings and "
                                 f"{cfg.extra_key!r} an object")
+            if not isinstance(env, str):
+                raise DataError(f"{path}: row {rowno}: {cfg.env_key!r} (the environment) must be a string, "
+                                f"got {type(env).__name__}")
             try:
                 text = render_prompt(msgs, tokenizer, use_template)
             except Exception as exc:  # noqa: BLE001 - a template may raise anything on odd messages
@@ -245,7 +251,7 @@ def load_prompts(path: str | Path, tokenizer, cfg: DataConfig | None = None,
                 stats[reason] += 1
                 continue
         uid = str(extra.get("uid", f"{name}:{rowno}"))
-        rec = PromptRecord([], text, gt, style, source, extra, uid, rowno)
+        rec = PromptRecord([], text, gt, style, source, extra, uid, rowno, env)
         pending.append((text, rec))
     records = _tokenize(pending, tokenizer, use_template)
     kept = []

@@ -66,7 +66,7 @@ class TinySpec(ConfigBase):
 
 @dataclass(kw_only=True)
 class SyntheticConfig(ConfigBase):
-    """Generate the built-in addition task's data (the demo) into RUN_DIR/data."""
+    """Generate a built-in task's data (the demos) into RUN_DIR/data."""
 
     # Write RUN_DIR/data/{train,eval}.jsonl (verl format) if they do not exist yet.
     enabled: bool = False
@@ -84,6 +84,13 @@ class SyntheticConfig(ConfigBase):
     # a random nonzero offset). Their ids go to RUN_DIR/data/planted.json, against which `megatron-rl
     # analyze` scores the live suspected-wrong-label list (recall, precision).
     wrong_label_fraction: float = ranged(0.0, ge=0.0, le=0.5)
+    # The task: "addition" (data source synthetic/addition) or "multiplication" (synthetic/multiplication:
+    # the tool demo's, which the tiny model cannot do in its head).
+    task: str = "addition"
+    # The environment every row names (extra_info.env): "calculator" gives multi-turn prompts whose
+    # reference solutions demonstrate a call, "<<a*b>>", the tool's answer and the boxed result;
+    # "": single-turn rows whose solutions are the boxed answer.
+    env: str = ""
     # This share of the training prompts become hard problems of a kind held out of the SFT data
     # and the rest of the task (one operand with max_digits + 1 digits; data source
     # "synthetic/addition_<max_digits+1>digit"), labelled right: they must stay off the
@@ -94,3 +101,7 @@ class SyntheticConfig(ConfigBase):
         super().validate()
         if self.max_digits < self.min_digits:
             self.fail("max_digits", f"must be >= min_digits ({self.min_digits}), got {self.max_digits}")
+        if self.task not in ("addition", "multiplication"):
+            self.fail("task", f"must be 'addition' or 'multiplication', got {self.task!r}")
+        if self.env not in ("", "calculator"):
+            self.fail("env", f"must be '' or 'calculator' (the demonstrations show its call format), got {self.env!r}")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from megatron_rl.demo.config import SyntheticConfig, TinySpec
 from megatron_rl.data.wrong_labels import PLANTED_FILE
-from megatron_rl.demo.synthetic import held_out_kind, plant, sample_problems, write_dataset
+from megatron_rl.demo.synthetic import TASKS, data_source, held_out_kind, plant, sample_problems, write_dataset
 from megatron_rl.demo.tiny import write_tiny_model
 
 # Where the inputs go, under the run directory.
@@ -41,7 +41,8 @@ def prepare_inputs(run_root: str | Path, *, tiny: TinySpec | None, synthetic: Sy
 
 def write_synthetic(data_dir: Path, synthetic: SyntheticConfig, seed: int) -> None:
     """train.jsonl (with planted labels when asked, listed in planted.json), sft.jsonl, eval.jsonl."""
-    kw = dict(min_digits=synthetic.min_digits, max_digits=synthetic.max_digits)
+    kw = dict(min_digits=synthetic.min_digits, max_digits=synthetic.max_digits, op=TASKS[synthetic.task])
+    source, env = data_source(synthetic.task), synthetic.env
     problems = sample_problems(synthetic.train_size + synthetic.sft_size, seed, "train", **kw)
     train, sft = problems[: synthetic.train_size], problems[synthetic.train_size:]
     labels: dict[int, str] = {}
@@ -49,11 +50,12 @@ def write_synthetic(data_dir: Path, synthetic: SyntheticConfig, seed: int) -> No
     if synthetic.wrong_label_fraction or synthetic.hard_fraction:
         train, labels, rows = plant(train, seed, synthetic.wrong_label_fraction, synthetic.hard_fraction,
                                     synthetic.max_digits)
-        sources = {i: held_out_kind(synthetic.max_digits) for i in rows["hard"]}
+        sources = {i: held_out_kind(synthetic.max_digits, source) for i in rows["hard"]}
         planted = {kind: [f"train-{i}" for i in idx] for kind, idx in rows.items()}
         (data_dir.parent / PLANTED_FILE).parent.mkdir(parents=True, exist_ok=True)
         (data_dir.parent / PLANTED_FILE).write_text(json.dumps(planted, indent=1))
-    write_dataset(data_dir / "train.jsonl", train, "train", labels, sources)
+    write_dataset(data_dir / "train.jsonl", train, "train", labels, sources, source=source, env=env)
     if sft:
-        write_dataset(data_dir / "sft.jsonl", sft, "sft")
-    write_dataset(data_dir / "eval.jsonl", sample_problems(synthetic.eval_size, seed, "eval", **kw), "eval")
+        write_dataset(data_dir / "sft.jsonl", sft, "sft", source=source, env=env)
+    write_dataset(data_dir / "eval.jsonl", sample_problems(synthetic.eval_size, seed, "eval", **kw), "eval",
+                  source=source, env=env)

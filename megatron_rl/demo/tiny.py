@@ -20,10 +20,12 @@ from megatron_rl.demo.config import TinySpec
 from megatron_rl.demo.synthetic import ALPHABET
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
-# Chat template: "Q:<question>\nA:" then the response. Kept short: every token costs CPU time.
+# Chat template: "Q:<question>\nA:" then the response; a tool's message (multi-turn rollouts) is
+# "=<output>\n" before the next "A:". Kept short: every token costs CPU time.
 CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}Q:{{ m['content'] }}\n"
-    "{% elif m['role'] == 'assistant' %}A:{{ m['content'] }}</s>{% endif %}{% endfor %}"
+    "{% elif m['role'] == 'assistant' %}A:{{ m['content'] }}</s>"
+    "{% elif m['role'] == 'tool' %}={{ m['content'] }}\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}A:{% endif %}"
 )
 

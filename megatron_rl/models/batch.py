@@ -12,6 +12,10 @@ import dataclasses
 
 import torch
 
+# The token field that says which response tokens are trained on: 1 for the model's own, 0 for a
+# tool's observation between the turns of a multi-turn trajectory. Absent: every response token.
+LOSS_MASK = "loss_mask"
+
 
 @dataclasses.dataclass
 class SequenceBatch:
@@ -42,6 +46,13 @@ class SequenceBatch:
     @property
     def response_lens(self) -> list[int]:
         return [len(s) - p for s, p in zip(self.sequences, self.prompt_lens)]
+
+    def trained(self, i: int) -> torch.Tensor:
+        """Which response tokens of sequence ``i`` are trained on (bool, one per response token)."""
+        mask = self.token_fields.get(LOSS_MASK)
+        if mask is None:
+            return torch.ones(len(self.sequences[i]) - self.prompt_lens[i], dtype=torch.bool)
+        return mask[i].bool()
 
     def check(self) -> None:
         """Raise ValueError naming the field and row of any inconsistency."""

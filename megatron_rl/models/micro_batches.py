@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-from megatron_rl.models.batch import SequenceBatch
+from megatron_rl.models.batch import LOSS_MASK, SequenceBatch
 from megatron_rl.models.context_parallel import cp_positions, pad_multiple
 from megatron_rl.models.packing import (TokenLayout, pack_micro_batches, packed_layout, padded_layout,
                                         round_up, sequence_costs, shard_for_dp)
@@ -39,7 +39,7 @@ class MicroInputs:
     row: torch.Tensor  # [N] the token's sequence (row of the [b, T] response layout)
     col: torch.Tensor  # [N] column of that token in the [b, T] response layout
     labels: torch.Tensor  # [N] the response token ids
-    mask: torch.Tensor  # [b, T] every response token of the rows (on every CP rank)
+    mask: torch.Tensor  # [b, T] every trained response token of the rows (on every CP rank)
     width: int  # T
     seq_len: int  # S, the padded length before the CP split
     layout: TokenLayout | None = None  # where each token of the micro-batch sits (before CP)
@@ -67,6 +67,9 @@ def make_micro_inputs(batch: SequenceBatch, index: list[int], layout: TokenLayou
     counts = torch.tensor([len(x) for x in seqs], dtype=torch.long) - prompts
     width = max(1, int(counts.max()))
     mask = torch.arange(width)[None, :] < counts[:, None]
+    if LOSS_MASK in batch.token_fields:  # a tool's observation tokens are not trained on
+        for r, i in enumerate(index):
+            mask[r, : int(counts[r])] = batch.trained(i)
     if cp_group is not None and cp_group.size() > 1:
         held = cp_positions(layout.bounds, cp_group.size(), cp_group.rank())  # local order
         ids, positions = ids[:, held], positions[:, held]

@@ -60,13 +60,26 @@ class SamplingSpec:
     # Every response is at least this many tokens: end-of-sequence and stop tokens are not sampled
     # before (vLLM's ``min_tokens``; ``max_tokens`` too: a response as long as the window it needs).
     min_tokens: int = 0
+    # Per-prompt overrides for a batch whose prompts are sampled each its own way (the turns of
+    # multi-turn trajectories: each has its own seed and its own room left): when set, prompt i is
+    # seeded ``seeds[i]`` and samples at most ``max_tokens_each[i]`` tokens.
+    seeds: tuple[int, ...] = ()
+    max_tokens_each: tuple[int, ...] = ()
 
     def prompt_seed(self, i: int) -> int | None:
+        if self.seeds:
+            return self.seeds[i]
         return None if self.seed is None else (self.seed + i) % (2**31 - 1)
 
+    def prompt_max_tokens(self, i: int) -> int:
+        return self.max_tokens_each[i] if self.max_tokens_each else self.max_tokens
+
     def for_prompt(self, i: int) -> "SamplingSpec":
-        """The spec of prompt ``i`` of a batch sent alone: its own seed, as prompt 0."""
-        return self if self.seed is None else dataclasses.replace(self, seed=self.prompt_seed(i))
+        """The spec of prompt ``i`` of a batch sent alone: its own seed (and length), as prompt 0."""
+        if self.seed is None and not self.seeds and not self.max_tokens_each:
+            return self
+        return dataclasses.replace(self, seed=self.prompt_seed(i), max_tokens=self.prompt_max_tokens(i),
+                                   seeds=(), max_tokens_each=())
 
 
 @dataclass(kw_only=True)
@@ -88,7 +101,15 @@ class Completion:
     version_spans: list[tuple[int, int, int]] = field(default_factory=list)
     # Which engine sampled it.
     engine: str = ""
+    # Multi-turn trajectories (``rollout/multi_turn.py``): 1 for each token the model sampled, 0 for
+    # the tokens of a tool's observation appended between its turns (trained on never; their
+    # ``logprobs`` are 0.0). Empty: every token is the model's.
+    loss_mask: list[int] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+
+    def model_tokens(self) -> list[bool]:
+        """Whether each response token was sampled by the model (not a tool's observation)."""
+        return [bool(m) for m in self.loss_mask] if self.loss_mask else [True] * len(self.token_ids)
 
     def token_versions(self) -> list[int]:
         """The weight version that sampled each response token."""

@@ -117,6 +117,9 @@ class RolloutConfig(ConfigBase):
     max_response_len: int = ranged(64, ge=1)
     # Maximum prompt length in tokens (longer prompts are filtered by the data loader).
     max_prompt_len: int = ranged(64, ge=1)
+    # Multi-turn rollouts (prompts with an environment, section envs): model turns per trajectory; the
+    # stage's max_response_len bounds the whole trajectory (model and tool-observation tokens).
+    max_turns: int = ranged(4, ge=1)
     # vLLM: dtype of the engine weights ("float32" on CPU; "bfloat16" on GPUs).
     dtype: str = "float32"
     # vLLM: bytes of KV cache (CPU needs an explicit size); 0 lets vLLM decide (GPU).

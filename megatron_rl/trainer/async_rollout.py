@@ -51,7 +51,7 @@ from megatron_rl.rollout import Completion, RolloutConfig, RolloutEngine, Sampli
 from megatron_rl.rollout.streaming import BackgroundGenerate, GroupStream
 from megatron_rl.trainer.config import StageConfig
 from megatron_rl.trainer.context import Context
-from megatron_rl.trainer.phases import Rollout, reward_item, sampling_seed
+from megatron_rl.trainer.phases import Rollout, answer_text, reward_item, sampling_seed
 from megatron_rl.trainer.state import TrainerState
 
 log = logging.getLogger("megatron_rl")
@@ -75,7 +75,8 @@ def open_rollouts(ctx: Context, stage: StageConfig, state: TrainerState,
     cfg = ctx.cfg
     rollouts = RolloutScheduler(ctx.engine, loader, ctx.reward_mgr, cfg.rollout, cfg.algo,
                                 run_seed=cfg.trainer.seed, max_response_len=stage.max_response_len,
-                                step=state.step, sample_log=ctx.run.root / SAMPLE_LOG, stage=stage.name)
+                                step=state.step, sample_log=ctx.run.root / SAMPLE_LOG, stage=stage.name,
+                                envs=ctx.envs)
     if rollouts.restore(ctx.run.latest_step_checkpoint(stage.name), state.weight_version,
                         state.global_step, state.step):
         log.info("stage %s: %d groups generated before the checkpoint kept, %d partial ones continued, %d "
@@ -147,10 +148,12 @@ class RolloutScheduler:
 
     def __init__(self, engine: RolloutEngine, loader: PromptLoader, reward_mgr: RewardManager,
                  r: RolloutConfig, algo: AlgoConfig, *, run_seed: int, max_response_len: int,
-                 step: int = 0, sample_log: Path | None = None, stage: str = ""):
+                 step: int = 0, sample_log: Path | None = None, stage: str = "", envs=None):
         """``step``: the stage's next step (its wave is the first to draw). ``sample_log``: a JSONL
         file that gets, per step with rollout.async on, the weight versions (oldest, newest token)
-        of every response trained on."""
+        of every response trained on. ``envs``: the run's environments
+        (:class:`~megatron_rl.envs.Environments`; prompts with one are sampled as multi-turn
+        trajectories)."""
         self.r, self.algo, self.run_seed = r, algo, run_seed
         self.sample_log, self.stage = sample_log, stage
         self.acfg = r.async_
@@ -161,6 +164,14 @@ class RolloutScheduler:
         if self.acfg.needs_streaming and not (self.stream.keeps_in_flight and self.stream.can_abort):
             raise ValueError(f"rollout.async: partial_rollout / oversample need an engine that loads weights "
                              f"with requests in flight; {type(engine).__name__} cannot")
+        # How long a group may take: one request; a multi-turn trajectory is up to max_turns requests and
+        # environment steps, each bounded by rollout.timeout_s.
+        self.group_timeout_s = r.timeout_s
+        if envs is not None:  # multi-turn trajectories for the prompts with an environment
+            from megatron_rl.rollout.multi_turn import MultiTurnStream
+
+            self.stream = MultiTurnStream(self.stream, envs, record_of=self._record_of)
+            self.group_timeout_s = 2 * envs.max_turns * r.timeout_s
         self.n = r.rollout_batch_size
         self.per_wave = self.n + round(self.n * self.acfg.oversample)
         self.next_wave = step  # the first wave not dispatched yet
@@ -262,12 +273,13 @@ class RolloutScheduler:
         if not self.stream.in_flight():
             return report
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self.r.timeout_s
+        deadline = time.monotonic() + self.group_timeout_s
         while self.stream.in_flight():
             deadline = self._extended(deadline)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rollout.async: requests in flight did not finish within "
-                                   f"rollout.timeout_s={self.r.timeout_s}s of the engine's last progress "
+                                   f"{self.group_timeout_s:g}s (rollout.timeout_s={self.r.timeout_s}s per request) "
+                                   f"nor rollout.timeout_s after the engine's last progress "
                                    f"before a weight update")
             time.sleep(0.005)
         return {k: time.perf_counter() - t0 for k in report}
@@ -293,8 +305,11 @@ class RolloutScheduler:
             self.stream.abort([t for tag in self.in_flight for t in self._stream_tags(tag)])
         elif self.in_flight:
             self.before_sync()
-        if isinstance(self.stream, BackgroundGenerate):
+        inner = getattr(self.stream, "inner", None)
+        if inner is not None:  # the multi-turn loop over the engine's stream
             self.stream.close()
+        if isinstance(inner or self.stream, BackgroundGenerate):
+            (inner or self.stream).close()
         self.in_flight.clear()
         self._continuing.clear()
         self.done, self.ready = [], []
@@ -395,6 +410,11 @@ class RolloutScheduler:
             self.stream.submit([self.loader.records[g.record].prompt_ids for g in run], spec,
                                [g.tag for g in run], self._inbox.put)
 
+    def _record_of(self, tag):
+        """The record a submitted prompt comes from (the multi-turn loop resolves its environment);
+        a continued sample's tag is its group's + the sample."""
+        return self.loader.records[self.in_flight[tag[:2]].record]
+
     def _continue(self, g: Group, global_step: int) -> None:
         """Continue a partial group's stopped samples: each one alone (n=1), its prompt followed by
         the tokens it has, the rest of the length, the sample's own seed (base + index + j)."""
@@ -422,10 +442,11 @@ class RolloutScheduler:
     def _receive(self, block: bool, stop=None) -> bool:
         """Move delivered groups from the engine's thread into ``done`` (arrival order); a
         continued sample is joined to its partial group first. Blocking: until something arrives
-        (within ``rollout.timeout_s`` of the engine's last progress: a request re-sent after its
-        engine timed out, or a fleet waiting for restarts, is not a hang), or until ``stop()`` is true
-        (returns False)."""
-        timeout = self.r.timeout_s
+        (within ``rollout.timeout_s``, multi-turn: a trajectory's turns and steps; extended to
+        ``rollout.timeout_s`` after the engine's last progress: a request re-sent after its engine timed
+        out, a fleet waiting for restarts, a tool running within its own timeout is not a hang), or
+        until ``stop()`` is true (returns False)."""
+        timeout = self.group_timeout_s
         deadline = time.monotonic() + timeout
         while True:
             if block and stop is not None and stop():
@@ -438,8 +459,9 @@ class RolloutScheduler:
                     return True
                 deadline = self._extended(deadline)
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(f"rollout.async: no group finished within rollout.timeout_s={timeout}s "
-                                       f"of the engine's last progress")
+                    raise TimeoutError(f"rollout.async: no group finished within {timeout:g}s (rollout.timeout_s="
+                                       f"{self.r.timeout_s:g}s per request) nor rollout.timeout_s after the "
+                                       f"engine's last progress")
                 continue
             block = False
             for tag, result in batch:
@@ -476,7 +498,7 @@ class RolloutScheduler:
 
     def _score(self, groups: list[Group]) -> None:
         records = self.loader.records
-        items = [reward_item(records[g.record], c.text) for g in groups for c in g.completions]
+        items = [reward_item(records[g.record], answer_text(c)) for g in groups for c in g.completions]
         scores, metrics, details = self.reward_mgr.score(items, return_details=True)
         self._step.reward_calls.append((metrics, details))
         self._step.generated += len(groups)
@@ -587,4 +609,4 @@ def _completion_dict(c: Completion) -> dict:
     return {"token_ids": list(c.token_ids), "logprobs": list(c.logprobs), "text": c.text,
             "finish_reason": c.finish_reason, "truncated": bool(c.truncated),
             "weight_version": int(c.weight_version), "version_spans": [list(s) for s in c.version_spans],
-            "extra": dict(c.extra)}
+            "loss_mask": list(c.loss_mask), "extra": dict(c.extra)}

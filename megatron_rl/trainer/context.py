@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from megatron_rl.data import PromptRecord
+    from megatron_rl.envs import Environments
     from megatron_rl.models.policy import MegatronPolicy
     from megatron_rl.models.reference import ReferencePolicy
     from megatron_rl.rewards import RewardManager
@@ -57,6 +58,8 @@ class Context:
     eval_records: list[PromptRecord] = field(default_factory=list)
     # Rollout dumps, W&B sample table and live wrong-label list of every GRPO step.
     observer: StepObserver | None = None
+    # The environments of multi-turn prompts (None: the run's data has none; every prompt single-turn).
+    envs: Environments | None = None
     # Every rank (the export is collective; the sending rank moves the data).
     weight_sync: WeightSync | None = None
     # This node's engines, when this trainer process started them (colocated, no node launcher).
@@ -124,11 +127,12 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as exc:  # no tokenizer files, or ones transformers cannot read
         raise HFModelError(f"{model_path}: cannot load the tokenizer ({exc})") from None
-    train_records, sft_records, eval_records, problem = [], [], [], None
+    train_records, sft_records, eval_records, problem, envs = [], [], [], None, None
     if groups.rank == 0:  # the data first: a bad file fails before any model or engine is built
         try:
             run.recover()  # what a save killed mid-way left behind
             train_records, sft_records, eval_records = load_run_data(cfg, tokenizer, max_positions)
+            envs = open_envs(cfg, tokenizer, train_records, sft_records, eval_records)
             check_external_servers(cfg)
         except InputError as exc:
             problem = exc
@@ -143,7 +147,7 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
     policy = MegatronPolicy.from_hf(model_path, cfg.policy, groups)
     ctx = Context(cfg=cfg, run=run, groups=groups, policy=policy, tokenizer=tokenizer, model_path=model_path,
                   entropy_ctl=EntropyController(cfg.algo.entropy), stop=stop, launcher=launcher,
-                  train_records=train_records, sft_records=sft_records, eval_records=eval_records)
+                  train_records=train_records, sft_records=sft_records, eval_records=eval_records, envs=envs)
     names = expected_engines(cfg, groups) if cfg.rollout.engine == "vllm_server" else None
     if launcher is not None:
         launcher.wait_ready()
@@ -203,13 +207,36 @@ def load_run_data(cfg: RunConfig, tokenizer, max_positions: int | None = None
     return train, sft, held_out
 
 
+def open_envs(cfg: RunConfig, tokenizer, train: list[PromptRecord], sft: list[PromptRecord],
+              held_out: list[PromptRecord]) -> Environments | None:
+    """The run's environments when any prompt has one (multi-turn rollouts), else None. A prompt
+    naming an unknown environment is a DataError (file and row); so is a chat template that cannot
+    render tool messages, when some prompt needs it."""
+    from megatron_rl.envs import Environments
+
+    envs = Environments(cfg.envs, tokenizer, max_turns=cfg.rollout.max_turns, sandbox=cfg.reward.code.sandbox,
+                        wait_s=cfg.rollout.timeout_s)
+    counts: dict[str, int] = {}
+    sets = [(cfg.data.train_path, train), (cfg.eval.path, held_out)]
+    if cfg.sft.enabled and cfg.sft.data_path:
+        sets.append((cfg.sft.data_path, sft))
+    for path, records in sets:
+        for name, n in envs.check(records, path).items():
+            counts[name] = counts.get(name, 0) + n
+    if not counts:
+        envs.close()
+        return None
+    log.info("multi-turn prompts per environment: %s (rollout.max_turns=%d)", counts, cfg.rollout.max_turns)
+    return envs
+
+
 def check_demonstrations(records: list[PromptRecord], path: str, tokenizer, max_positions: int | None,
                          chunk: int = 1024) -> None:
     """The SFT cold start trains on prompt + reference solution + EOS: every problem needs its
     solution, and the whole sequence must fit the model's positions (a :class:`DataError` naming
     file and row, before any model is built)."""
     from megatron_rl.data import DataError
-    from megatron_rl.trainer.phases import reference_solution
+    from megatron_rl.trainer.phases import demonstration, reference_solution
 
     sols = []
     for r in records:
@@ -219,9 +246,21 @@ def check_demonstrations(records: list[PromptRecord], path: str, tokenizer, max_
             raise DataError(f"{path}: row {r.row}: {exc}") from None
     if max_positions is None:
         return
-    for start in range(0, len(records), chunk):
-        ids = tokenizer(sols[start:start + chunk], add_special_tokens=False)["input_ids"]
-        for r, sol in zip(records[start:start + chunk], ids):
+    texts = [(r, s) for r, s in zip(records, sols) if isinstance(s, str)]
+    for r, sol in zip(records, sols):  # demonstrated trajectories: as the rollout lays them out
+        if not isinstance(sol, str):
+            try:
+                n = len(r.prompt_ids) + len(demonstration(r, tokenizer)[0])
+            except InputError as exc:  # the chat template cannot render its tool messages
+                raise DataError(f"{path}: row {r.row}: {exc}") from None
+            if n > max_positions:
+                raise DataError(f"{path}: row {r.row}: the SFT sequence (prompt {len(r.prompt_ids)} + the "
+                                f"demonstrated trajectory) is {n} tokens, more than the model's "
+                                f"max_position_embeddings ({max_positions})")
+    for start in range(0, len(texts), chunk):
+        part = texts[start:start + chunk]
+        ids = tokenizer([s for _, s in part], add_special_tokens=False)["input_ids"]
+        for (r, _), sol in zip(part, ids):
             n = len(r.prompt_ids) + len(sol) + 1  # + EOS
             if n > max_positions:
                 raise DataError(f"{path}: row {r.row}: the SFT sequence (prompt {len(r.prompt_ids)} + "

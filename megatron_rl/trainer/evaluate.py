@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 
 from megatron_rl.data import PromptRecord
+from megatron_rl.envs.metrics import episode_metrics
 from megatron_rl.rollout import SamplingSpec
 from megatron_rl.trainer.context import Context
-from megatron_rl.trainer.phases import reward_item
+from megatron_rl.trainer.phases import answer_text, reward_item
 
 log = logging.getLogger("megatron_rl")
 
@@ -80,8 +81,13 @@ def evaluate(ctx: Context, max_tokens: int, records: list[PromptRecord] | None =
         return {}
     ctx.engines_wake()
     spec = SamplingSpec(n=1, temperature=0.0, max_tokens=ctx.cfg.rollout.eval_max_tokens or max_tokens)
-    outs = [g[0] for g in ctx.engine.generate([r.prompt_ids for r in records], spec)]
-    items = [reward_item(r, o.text) for o, r in zip(outs, records)]
+    if ctx.envs is not None:  # prompts with an environment: greedy multi-turn trajectories, with tools
+        from megatron_rl.rollout.multi_turn import generate as generate_trajectories
+
+        outs = [g[0] for g in generate_trajectories(ctx.engine, ctx.envs, records, spec)]
+    else:
+        outs = [g[0] for g in ctx.engine.generate([r.prompt_ids for r in records], spec)]
+    items = [reward_item(r, answer_text(o)) for o, r in zip(outs, records)]
     scores, _ = ctx.reward_mgr.score(items)
     correct = torch.tensor(scores) >= ctx.cfg.algo.correct_reward
     trunc = torch.tensor([o.truncated for o in outs])
@@ -89,11 +95,17 @@ def evaluate(ctx: Context, max_tokens: int, records: list[PromptRecord] | None =
         answers.parent.mkdir(parents=True, exist_ok=True)
         with open(answers, "w") as f:
             for r, o, sc in zip(records, outs, scores):
-                f.write(json.dumps({"row": r.row, "uid": r.uid, "response": o.text, "score": sc,
-                                    "weight_version": o.weight_version}) + "\n")
-    return {
+                row = {"row": r.row, "uid": r.uid, "response": o.text, "score": sc,
+                       "weight_version": o.weight_version}
+                if "episode" in o.extra:  # a multi-turn trajectory: its turns and tool calls
+                    row["episode"] = o.extra["episode"]
+                f.write(json.dumps(row) + "\n")
+    out = {
         f"{prefix}/accuracy": correct.float().mean().item(),
         f"{prefix}/truncation_ratio": trunc.float().mean().item(),
         f"{prefix}/response_length_mean": sum(len(o.token_ids) for o in outs) / len(outs),
         f"{prefix}/n": float(len(outs)),
     }
+    # the multi-turn metrics of the evaluation (tool use, accuracy with vs without a tool call)
+    out.update({f"{prefix}/{k.split('/', 1)[1]}": v for k, v in episode_metrics(outs, correct.tolist()).items()})
+    return out

@@ -199,15 +199,19 @@ def add_logprobs(policy: MegatronPolicy, reference: ReferencePolicy | None, batc
         masked = a.token_mask.mode != "none"
         logp, entropy = policy.compute_logprobs(batch, temperature, with_entropy=masked)
         batch.token_fields["old_logp"] = logp
-        if masked:
-            batch.token_fields["token_mask"], m = token_masks(entropy, a.token_mask)
+        trained = [batch.trained(i) for i in range(len(batch))]  # tool observations: no log-probs, not masks
+        if masked:  # chosen among the trained tokens (a tool's observation is never a candidate)
+            chosen, m = token_masks([e[t] for e, t in zip(entropy, trained)], a.token_mask)
+            batch.token_fields["token_mask"] = [torch.zeros_like(t).masked_scatter(t, c)
+                                                for t, c in zip(trained, chosen)]
             metrics.update(m)
-        gap = [(lp - rl).abs().mean().item() for lp, rl in zip(logp, batch.token_fields["rollout_logp"])]
+        gap = [(lp - rl)[t].abs().mean().item()
+               for lp, rl, t in zip(logp, batch.token_fields["rollout_logp"], trained) if t.any()]
         metrics["rollout/train_infer_logp_gap"] = sum(gap) / max(1, len(gap))
         versions = batch.token_fields.get("weight_version")
         if versions is not None and any(bool((v != version).any()) for v in versions):
             metrics.update(logp_gap_by_staleness(logp, batch.token_fields["rollout_logp"], versions,
-                                                 version))
+                                                 version, trained))
     if a.kl.enabled:
         if reference is None:
             raise RuntimeError("algo.kl.enabled needs the reference policy "
@@ -222,10 +226,15 @@ def add_logprobs(policy: MegatronPolicy, reference: ReferencePolicy | None, batc
     return metrics
 
 
-def logp_gap_by_staleness(logp: list, rollout_logp: list, versions: list, version: int) -> dict:
-    """Mean |trainer - engine| log-prob over the tokens sampled ``d`` versions ago, for each ``d``."""
+def logp_gap_by_staleness(logp: list, rollout_logp: list, versions: list, version: int,
+                          trained: list | None = None) -> dict:
+    """Mean |trainer - engine| log-prob over the tokens sampled ``d`` versions ago, for each ``d``
+    (``trained``: per sequence, the tokens the model sampled; None: all)."""
+    keep = torch.cat(trained) if trained is not None else None
     diff = torch.cat([(lp - rl).abs() for lp, rl in zip(logp, rollout_logp)])
     stale = torch.cat([version - v for v in versions])
+    if keep is not None:
+        diff, stale = diff[keep], stale[keep]
     return {f"async/logp_gap_staleness_{d}": diff[stale == d].mean().item() for d in stale.unique().tolist()}
 
 

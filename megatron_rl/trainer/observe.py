@@ -70,13 +70,30 @@ def dump_columns(ro: Rollout, per_sample: dict[str, torch.Tensor] | None, *, cor
     cols["in_batch"] = in_batch
     lp_mean, lp_min, p_mean = [], [], []
     for c in comps:  # plain floats: a few dozen tokens each, cheaper than a tensor per response
-        lp = c.logprobs
+        lp = [x for x, mine in zip(c.logprobs, c.model_tokens()) if mine]  # tool observations have none
         lp_mean.append(math.fsum(lp) / len(lp) if lp else None)
         lp_min.append(min(lp) if lp else None)
         p_mean.append(math.fsum(math.exp(x) for x in lp) / len(lp) if lp else None)
     cols["rollout_logp_mean"], cols["rollout_logp_min"], cols["token_prob_mean"] = lp_mean, lp_min, p_mean
     cols.update(stats)
+    cols.update(episode_columns(comps))
     return cols
+
+
+def episode_columns(comps) -> dict[str, list]:
+    """The multi-turn columns: a trajectory's environment, turns and tool calls (a single-turn
+    response: one assistant message, no tool)."""
+    eps = [c.extra.get("episode") for c in comps]
+    return {
+        "env": [None if e is None else e["env"] for e in eps],
+        "turns": [1 if e is None else e["turns"] for e in eps],
+        "tool_calls": [0 if e is None else e["tool_calls"] for e in eps],
+        "tool_errors": [0 if e is None else e["tool_errors"] for e in eps],
+        "observation_tokens": [0 if e is None else e["observation_tokens"] for e in eps],
+        "messages": [[{"role": "assistant", "text": c.text, "tokens": len(c.token_ids)}] if e is None else
+                     [{"role": m["role"], "text": m["text"], "tokens": m["tokens"]} for m in e["messages"]]
+                     for c, e in zip(comps, eps)],
+    }
 
 
 def monitor_groups(cols: dict[str, list]):

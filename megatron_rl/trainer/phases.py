@@ -10,6 +10,7 @@ phase takes the components and the config section it uses (``rollout``, ``algo``
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,9 @@ import torch
 from megatron_rl.algo import (AlgoConfig, compute_advantages, filter_groups, kl_reward_penalty,
                               policy_objective, sgd_schedule, shape_rewards)
 from megatron_rl.data import PromptRecord
-from megatron_rl.models.batch import MicroBatch, SequenceBatch, pad_token_fields
+from megatron_rl.envs.metrics import episode_metrics
+from megatron_rl.envs.render import TurnRenderer, check_messages
+from megatron_rl.models.batch import LOSS_MASK, MicroBatch, SequenceBatch, pad_token_fields
 from megatron_rl.rewards import RewardItem, RewardManager
 from megatron_rl.rollout import Completion, RolloutConfig, RolloutEngine, SamplingSpec
 
@@ -61,13 +64,23 @@ def reward_item(record: PromptRecord, response: str) -> RewardItem:
                       extra={"question": record.prompt_text, "data_source": record.data_source})
 
 
+def answer_text(c: Completion) -> str:
+    """What the reward scores of a completion: the response, or a multi-turn trajectory's final
+    answer (its environment's verdict; the model's last turn), never the tools' observations."""
+    episode = c.extra.get("episode")
+    return c.text if episode is None else episode["answer"]
+
+
 def response_tokens(batch: SequenceBatch) -> float:
-    """Response tokens in ``batch``: the token-level loss's global denominator."""
-    return float(sum(len(s) - p for s, p in zip(batch.sequences, batch.prompt_lens)))
+    """Trained response tokens in ``batch`` (tool observations excluded): the token-level loss's
+    global denominator."""
+    if LOSS_MASK not in batch.token_fields:
+        return float(sum(len(s) - p for s, p in zip(batch.sequences, batch.prompt_lens)))
+    return float(sum(int(m.sum()) for m in batch.token_fields[LOSS_MASK]))
 
 
 def score(reward_mgr: RewardManager, ro: Rollout) -> dict:
-    items = [reward_item(ro.records[g], c.text) for c, g in zip(ro.completions, ro.group_ids.tolist())]
+    items = [reward_item(ro.records[g], answer_text(c)) for c, g in zip(ro.completions, ro.group_ids.tolist())]
     scores, metrics, ro.outcomes = reward_mgr.score(items, return_details=True)
     ro.rewards = torch.tensor(scores, dtype=torch.float32)
     return metrics
@@ -86,6 +99,7 @@ def rollout_metrics(ro: Rollout, correct_reward: float) -> dict:
         "rollout/response_length_mean": lengths.mean().item(),
         "rollout/response_length_max": lengths.max().item(),
         "rollout/response_length_min": lengths.min().item(),
+        **episode_metrics(ro.completions, correct.tolist()),
     }
 
 
@@ -110,12 +124,15 @@ def make_batch(ro: Rollout, algo: AlgoConfig, max_response_len: int | None = Non
         return None, metrics
     comps = [ro.completions[i] for i in idx]
     recs = [ro.records[g] for g in ro.group_ids[idx].tolist()]
+    token_fields = {"rollout_logp": [torch.tensor(c.logprobs, dtype=torch.float32) for c in comps],
+                    # the weight version that sampled each token (async GRPO: older than the trainer's)
+                    "weight_version": [torch.tensor(c.token_versions(), dtype=torch.long) for c in comps]}
+    if any(c.loss_mask for c in comps):  # multi-turn trajectories: tool observations are not trained on
+        token_fields[LOSS_MASK] = [torch.tensor(c.model_tokens(), dtype=torch.bool) for c in comps]
     batch = SequenceBatch(
         sequences=[list(r.prompt_ids) + list(c.token_ids) for r, c in zip(recs, comps)],
         prompt_lens=[len(r.prompt_ids) for r in recs],
-        token_fields={"rollout_logp": [torch.tensor(c.logprobs, dtype=torch.float32) for c in comps],
-                      # the weight version that sampled each token (async GRPO: older than the trainer's)
-                      "weight_version": [torch.tensor(c.token_versions(), dtype=torch.long) for c in comps]},
+        token_fields=token_fields,
         # rewards, groups and truncation travel along: algo.kl.as_reward recomputes the advantages
         seq_fields={"advantages": adv[idx].float(), "rewards": rewards[idx].float(),
                     "group_ids": ro.group_ids[idx], "truncated": ro.truncated[idx]},
@@ -124,28 +141,56 @@ def make_batch(ro: Rollout, algo: AlgoConfig, max_response_len: int | None = Non
     return batch, metrics
 
 
-def reference_solution(record: PromptRecord) -> str:
-    """The solution SFT trains on (``solution`` in the record's extra fields); ValueError without one."""
+def reference_solution(record: PromptRecord) -> str | list[dict]:
+    """The solution SFT trains on (``solution`` in the record's extra fields): a string, or a
+    demonstrated multi-turn trajectory (a list of assistant and tool messages, the last an
+    assistant's); ValueError without one."""
     sol = record.extra.get("solution") if isinstance(record.extra, dict) else None
+    if isinstance(sol, list):
+        problem = check_messages(sol)
+        if problem:
+            raise ValueError(f"the reference solution of prompt {record.uid!r} (a list: a demonstrated "
+                             f"trajectory): {problem}")
+        return sol
     if not isinstance(sol, str):
         raise ValueError(f"SFT needs a reference solution (a string 'solution' in the row's extra fields, "
-                         f"data.extra_key) for prompt {record.uid!r}, got {sol!r}")
+                         f"data.extra_key, or a list of assistant / tool messages) for prompt {record.uid!r}, "
+                         f"got {sol!r}")
     return sol
 
 
+@functools.lru_cache(maxsize=4)
+def _renderer(tokenizer) -> TurnRenderer:
+    return TurnRenderer(tokenizer)
+
+
+def demonstration(record: PromptRecord, tokenizer) -> tuple[list[int], list[int]]:
+    """The response SFT trains on and its loss mask: the reference solution, tokenized, + EOS (all
+    trained); a demonstrated trajectory as the rollout would lay it out (each assistant turn + EOS
+    trained, each tool message rendered by the chat template and not trained)."""
+    sol = reference_solution(record)
+    if isinstance(sol, list):
+        return _renderer(tokenizer).demonstration(sol)
+    ids = tokenizer(sol, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return ids, [1] * len(ids)
+
+
 def demonstration_ids(record: PromptRecord, tokenizer) -> list[int]:
-    """The response SFT trains on: the reference solution, tokenized, + EOS."""
-    return tokenizer(reference_solution(record), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    """The response tokens SFT trains on (see :func:`demonstration`)."""
+    return demonstration(record, tokenizer)[0]
 
 
 def sft_batch(records: list[PromptRecord], tokenizer) -> SequenceBatch:
     """Prompts + reference solutions (+ EOS), advantage 1: SFT through the GRPO objective (SFT is RL
-    with every sample positive)."""
-    seqs, plens = [], []
+    with every sample positive). Tool messages of demonstrated trajectories are not trained on."""
+    seqs, plens, masks = [], [], []
     for r in records:
-        seqs.append(list(r.prompt_ids) + demonstration_ids(r, tokenizer))
+        ids, mask = demonstration(r, tokenizer)
+        seqs.append(list(r.prompt_ids) + ids)
         plens.append(len(r.prompt_ids))
-    return SequenceBatch(sequences=seqs, prompt_lens=plens, token_fields={},
+        masks.append(torch.tensor(mask, dtype=torch.bool))
+    fields = {LOSS_MASK: masks} if not all(bool(m.all()) for m in masks) else {}
+    return SequenceBatch(sequences=seqs, prompt_lens=plens, token_fields=fields,
                          seq_fields={"advantages": torch.ones(len(seqs))})
 
 
@@ -167,6 +212,8 @@ def kl_shaped_advantages(batch: SequenceBatch, algo: AlgoConfig) -> dict:
     width = max(batch.response_lens)
     padded = pad_token_fields(batch, list(range(len(batch))), width)
     mask = torch.arange(width)[None, :] < torch.tensor(batch.response_lens)[:, None]
+    if LOSS_MASK in padded:  # a tool's observation tokens are no action of the policy: no KL there
+        mask &= padded[LOSS_MASK]
     penalty, metrics = kl_reward_penalty(padded["old_logp"], padded["ref_logp"], mask, algo)
     f = batch.seq_fields
     adv, m_adv = compute_advantages(f["rewards"] - penalty.to(f["rewards"].dtype), f["group_ids"],

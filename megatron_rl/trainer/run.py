@@ -114,7 +114,7 @@ def write_summary(ctx: Context) -> dict:
 
 
 def close(ctx: Context) -> None:
-    for obj in (ctx.weight_sync, ctx.reward_mgr, ctx.tracker, ctx.engine, ctx.launcher):
+    for obj in (ctx.weight_sync, ctx.reward_mgr, ctx.envs, ctx.tracker, ctx.engine, ctx.launcher):
         if obj is not None:
             try:
                 obj.close()

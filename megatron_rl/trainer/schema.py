@@ -18,6 +18,7 @@ from megatron_rl.config.base import ConfigBase, ConfigError
 from megatron_rl.config.loader import load, substitute
 from megatron_rl.data.config import DataConfig
 from megatron_rl.demo.config import SyntheticConfig, TinySpec
+from megatron_rl.envs.config import EnvConfig
 from megatron_rl.models.config import PolicyConfig
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rollout.config import RolloutConfig
@@ -47,6 +48,8 @@ class RunConfig(ConfigBase):
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    # Environments of multi-turn rollouts with tools (which prompts get one: the data, envs.env_map).
+    envs: EnvConfig = field(default_factory=EnvConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

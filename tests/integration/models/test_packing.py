@@ -58,8 +58,8 @@ def test_packed_sequences_equal_padded(layout, load):
 
 
 def test_every_policy_loss_and_aggregation_packed_equals_padded(tmp_path, groups):
-    """Every registered policy loss (sequence-level ones such as GSPO read per-sequence sums) and
-    every loss aggregation, through the trainer's own objective (``phases.make_loss_fn``): packed and
+    """Every registered policy loss (sequence-level ones such as GSPO read per-sequence sums), every
+    loss aggregation, and multi-turn loss masks, through the trainer's own objective (``phases.make_loss_fn``): packed and
     padded micro-batches (grouped differently: the packed plan balances by cost) give the same loss,
     metrics and gradients, single rank. Old log-probs off the current ones and engine log-probs off
     those, so ratios, clipping and the decoupled / TIS weights are not trivially 1. lr = 0: no step
@@ -67,6 +67,7 @@ def test_every_policy_loss_and_aggregation_packed_equals_padded(tmp_path, groups
     from megatron_rl.algo import POLICY_LOSSES, AlgoConfig
     from megatron_rl.algo.aggregation import LOSS_AGG_MODES
     from megatron_rl.models import OptimConfig, PolicyConfig
+    from megatron_rl.models.batch import LOSS_MASK
     from megatron_rl.models.policy import MegatronPolicy
     from megatron_rl.trainer.phases import make_loss_fn
 
@@ -90,7 +91,11 @@ def test_every_policy_loss_and_aggregation_packed_equals_padded(tmp_path, groups
     cases = [{"policy_loss": name} for name in POLICY_LOSSES]
     cases += [{"policy_loss": "gspo", "loss_agg": agg} for agg in LOSS_AGG_MODES]
     cases += [{"mismatch": {"mode": "tis_token", "tis_cap": 2.0}}]
+    # then multi-turn trajectories: a tool's observation tokens (loss_mask 0) are not trained on
+    cases += [{"policy_loss": "gspo", "loss_mask": True}, {"policy_loss": "ppo_clip", "loss_mask": True}]
     for case in cases:
+        if case.pop("loss_mask", False):
+            batch.token_fields[LOSS_MASK] = [torch.rand(len(x), generator=gen) < 0.7 for x in logp]
         algo = AlgoConfig.from_dict({"entropy": {"mode": "fixed", "coef": 0.01}, **case})
         got = {}
         for packed, policy in policies.items():
@@ -104,3 +109,13 @@ def test_every_policy_loss_and_aggregation_packed_equals_padded(tmp_path, groups
         for name, ref in gp.items():
             err = float((g[name].double() - ref.double()).abs().max())
             assert err <= 1e-5 * float(ref.abs().max()) + 1e-9, (case, name, err)
+        if LOSS_MASK in batch.token_fields and algo.policy_loss == "ppo_clip":
+            # against float64: the clipped surrogate's token mean over the trained tokens only
+            num = den = 0.0
+            for lp, old, a, t in zip(logp, batch.token_fields["old_logp"], batch.seq_fields["advantages"],
+                                     batch.token_fields[LOSS_MASK]):
+                r = torch.exp(lp.double() - old.double())
+                a = float(a)
+                num += float(torch.maximum(-a * r, -a * r.clamp(0.8, 1.28))[t].sum())
+                den += int(t.sum())
+            assert m["actor/pg_loss"] == pytest.approx(num / den, rel=1e-4, abs=1e-6)

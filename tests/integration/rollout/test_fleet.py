@@ -893,6 +893,43 @@ MINI = [
 ]
 
 
+def test_fleet_multi_turn_trajectories_match_one_server_and_transformers(fleet_env):
+    """Multi-turn rollouts on the fleet (the test environment: three turns, two tool observations):
+    the trajectories equal what one server samples alone (each turn's seed is the trajectory's,
+    whichever server serves it), each turn's request is the prompt + the trajectory so far, and every
+    model token's log-prob equals transformers' float64 teacher-forced pass over the whole
+    interleaved sequence."""
+    from multi_turn_ref import check_trajectory, records, stop_ids
+    from transformers import AutoTokenizer
+
+    from megatron_rl.envs import EnvConfig, Environments
+    from megatron_rl.rollout.multi_turn import generate
+
+    hf = fleet_env["hf"]
+    fleet = _fleet(fleet_env, hedge_after=0.0)
+    sync = _sync(fleet_env, fleet)
+    one = _one_server(fleet_env)
+    tok = AutoTokenizer.from_pretrained(fleet_env["model"])
+    envs = Environments(EnvConfig(), tok, max_turns=3)
+    recs = records(tok, 6)
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=40, seed=21, stop_token_ids=stop_ids(tok))
+    try:
+        assert sync.sync(_named(hf), version=_next_version(fleet_env)).complete  # every server: hf's weights
+        got = generate(fleet, envs, recs, spec)
+        want = generate(one, envs, recs, spec)
+    finally:
+        envs.close()
+        one.close()
+        sync.close()
+        fleet.close()
+    assert [[c.token_ids for c in g] for g in got] == [[c.token_ids for c in g] for g in want]
+    assert sum(c.extra["episode"]["turns"] >= 2 for g in got for c in g) >= 6
+    assert len({c.engine for g in got for c in g}) > 1  # the turns went to several servers
+    for r, group in zip(recs, got):
+        for c in group:
+            check_trajectory(c, r.prompt_ids, envs.renderer, hf)
+
+
 def _train(cmd: list[str], run_dir, model: str, *extra: str) -> None:
     import shutil
     import subprocess

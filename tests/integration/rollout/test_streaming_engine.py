@@ -158,3 +158,58 @@ def test_async_streaming_path_samples_what_llm_generate_samples(engine_and_hf):
     theirs = VLLMEngine.generate(eng, prompts, spec)  # LLM.generate, run on the engine's loop thread
     assert [[c.token_ids for c in g] for g in ours] == [[c.token_ids for c in g] for g in theirs]
     assert [[c.logprobs for c in g] for g in ours] == [[c.logprobs for c in g] for g in theirs]
+
+
+def test_async_multi_turn_trajectories_across_weight_updates_match_each_tokens_version(engine_and_hf):
+    """Async GRPO per trajectory: the scheduler's multi-turn trajectories on the streaming engine,
+    one step off with partial rollouts, weights changed every step while turns are in flight. Every
+    model token's log-prob equals a float64 teacher-forced pass over the whole interleaved sequence
+    with the weights of its own version; observation tokens carry loss mask 0 and the version of the
+    model token before them; versions never go down along a trajectory; nothing trained on is older
+    than max_staleness."""
+    from multi_turn_ref import records
+
+    from megatron_rl.algo.config import AlgoConfig
+    from megatron_rl.data.loader import PromptLoader
+    from megatron_rl.envs import EnvConfig, Environments
+    from megatron_rl.models.batch import LOSS_MASK
+    from megatron_rl.rewards import RewardManager
+    from megatron_rl.rewards.config import RewardConfig
+    from megatron_rl.trainer import phases
+    from megatron_rl.trainer.async_rollout import RolloutScheduler
+    from megatron_rl.trainer.grpo import StepTimer
+
+    eng, hf, cfg = engine_and_hf
+    cfg = dataclasses.replace(cfg, rollout_batch_size=3, group_size=2)
+    envs = Environments(EnvConfig(), eng.tokenizer, max_turns=3)
+    sched = RolloutScheduler(eng, PromptLoader(records(eng.tokenizer, 30), 3, seed=2), RewardManager(RewardConfig()),
+                             cfg, AlgoConfig(filter_zero_variance_groups=False), run_seed=5, max_response_len=60,
+                             envs=envs)
+    states = {30: {k: v.clone() for k, v in hf.state_dict().items()}}
+    eng.update_weights(states[30].items(), version=30)
+    version, turns, partial = 30, [], 0
+    try:
+        for step in range(3):
+            ro, _ = sched.next_rollout(step, step, version, StepTimer())
+            m = phases.rollout_metrics(ro, 1.0)
+            assert m["env/trajectories"] == 6 and "env/turns_mean" in m
+            batch, _ = phases.make_batch(ro, AlgoConfig(filter_zero_variance_groups=False))
+            turns += [c.extra["episode"]["turns"] for c in ro.completions]
+            partial += sum(c.partial for c in ro.completions)
+            for seq, plen, lp, ver, mask in zip(batch.sequences, batch.prompt_lens, batch.token_fields["rollout_logp"],
+                                                batch.token_fields["weight_version"], batch.token_fields[LOSS_MASK]):
+                assert int(version - ver.min()) <= 2 and ver.tolist() == sorted(ver.tolist())
+                for v in ver[mask].unique().tolist():
+                    ref = _teacher_forced(hf, states[v], seq[:plen], seq[plen:])
+                    sel = (ver == v) & mask
+                    assert torch.allclose(lp.double()[sel], ref[sel], atol=2e-4), (step, v)
+                assert bool((lp[~mask] == 0).all())
+            version += 1
+            states[version] = _perturbed(states[version - 1], version)
+            sched.before_sync()
+            eng.update_weights(states[version].items(), version=version)
+    finally:
+        sched.close()
+        envs.close()
+    assert eng.in_flight() == 0
+    assert sum(t >= 2 for t in turns) >= 3, turns  # several trajectories really took turns

@@ -142,3 +142,65 @@ def test_tied_embedding_model_follows_a_weight_update(tied_engine_and_hf):
     after = torch.tensor(eng.score(probe), dtype=torch.float64)
     assert (after - _hf_teacher_forced(hf, probe)).abs().max() < 1e-4
     _check_against_hf(eng, hf, prompts)
+
+
+def test_multi_turn_trajectories_are_what_the_engine_saw_and_match_transformers(engine_and_hf):
+    """Multi-turn rollouts on the in-process engine (three turns, two tool observations each): every
+    turn's request is the prompt + the trajectory so far, token for token (nothing re-tokenized);
+    the observations are the chat template's tokens, with loss mask 0; every model token's sampled
+    log-prob equals transformers' float64 teacher-forced pass over the whole interleaved sequence at
+    the sampling temperature; greedy trajectories (the evaluation's) equal it too."""
+    from multi_turn_ref import check_trajectory, records, stop_ids
+
+    from megatron_rl.envs import EnvConfig, Environments
+    from megatron_rl.rollout import SamplingSpec
+    from megatron_rl.rollout.multi_turn import generate
+
+    eng, hf = engine_and_hf
+    tok = eng.tokenizer
+    sent: set = set()
+    real = eng.generate
+
+    def recording(prompt_ids, spec):
+        sent.update(tuple(p) for p in prompt_ids)
+        return real(prompt_ids, spec)
+
+    eng.generate = recording
+    envs = Environments(EnvConfig(), tok, max_turns=4)
+    recs = records(tok, 3)
+    T = 0.7
+    try:
+        sampled = generate(eng, envs, recs, SamplingSpec(n=2, temperature=T, max_tokens=60, seed=9,
+                                                         stop_token_ids=stop_ids(tok)))
+        greedy = generate(eng, envs, recs, SamplingSpec(n=1, temperature=0.0, max_tokens=60,
+                                                        stop_token_ids=stop_ids(tok)))
+        again = generate(eng, envs, recs, SamplingSpec(n=2, temperature=T, max_tokens=60, seed=9,
+                                                       stop_token_ids=stop_ids(tok)))
+    finally:
+        del eng.generate
+        envs.close()
+    turns = [c.extra["episode"]["turns"] for g in sampled for c in g]
+    assert sum(t >= 2 for t in turns) >= 4, turns  # most trajectories really took several turns
+    for r, group in zip(recs, sampled):
+        for c in group:
+            check_trajectory(c, r.prompt_ids, envs.renderer, hf, temperature=T, sent=sent)
+            assert len(c.token_ids) <= 60
+    for r, (c,) in zip(recs, greedy):
+        check_trajectory(c, r.prompt_ids, envs.renderer, sent=sent)
+        ids = list(r.prompt_ids)
+        for m in c.extra["episode"]["messages"]:  # each greedy turn is transformers' argmax continuation
+            if m["role"] == "assistant":
+                want = _hf_greedy(hf, ids, m["tokens"])
+                assert c.token_ids[m["start"]:m["start"] + m["tokens"]] == want[:m["tokens"]]
+            ids = list(r.prompt_ids) + c.token_ids[:m["start"] + m["tokens"]]
+    # seeded: the same trajectories again (a re-sent trajectory samples the same)
+    assert [[c.token_ids for c in g] for g in sampled] == [[c.token_ids for c in g] for g in again]
+    # a round of many long turns, each seeded: more prompt tokens than vLLM's default step budget (8192),
+    # which would split a seeded prefill over steps and kill the CPU engine; each equals it alone
+    long = [[(7 * i + k) % 20 + 3 for k in range(190)] for i in range(48)]
+    spec = SamplingSpec(n=1, temperature=1.0, max_tokens=4, seeds=tuple(range(100, 148)),
+                        max_tokens_each=tuple(2 + i % 3 for i in range(48)))
+    batch = eng.generate(long, spec)
+    assert all(len(g[0].token_ids) <= room for g, room in zip(batch, spec.max_tokens_each))
+    for i in (0, 47):
+        assert eng.generate([long[i]], spec.for_prompt(i))[0][0].token_ids == batch[i][0].token_ids

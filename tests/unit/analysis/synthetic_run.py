@@ -112,6 +112,11 @@ def make_run(root: Path, *, prompts: int = 200, batch: int = 40, group: int = 8,
                                logp_gap_max=abs(rng.gauss(0, 6e-3)) if in_batch else None)
                     for k, v in row.items():
                         cols[k].append(v)
+            n = len(cols["response"])  # single-turn responses: one assistant message each, no tool
+            cols.update(env=[None] * n, turns=[1] * n, tool_calls=[0] * n, tool_errors=[0] * n,
+                        observation_tokens=[0] * n,
+                        messages=[[{"role": "assistant", "text": r, "tokens": k}]
+                                  for r, k in zip(cols["response"], cols["response_len"])])
             t0 = time.perf_counter()
             m = dumper.write(global_step, cols)
             m.update(monitor.observe(grpo, groups))

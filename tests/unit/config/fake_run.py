@@ -19,17 +19,20 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from megatron_rl.models.batch import MicroBatch, SequenceBatch, pad_token_fields
+from megatron_rl.envs import Environment, StepResult, register_env
+from megatron_rl.models.batch import LOSS_MASK, MicroBatch, SequenceBatch, pad_token_fields
 from megatron_rl.rewards import Outcome, register_reward
 from megatron_rl.rollout import Completion, RolloutEngine, SamplingSpec
 from megatron_rl.rollout.streaming import GroupStream
 
 STYLE = "walk_digits"
+ENV = "walk_env"
 
 
 @register_reward(STYLE)
@@ -39,6 +42,22 @@ def walk_digits(item, cfg) -> Outcome:
     digits = sum(ch.isdigit() for ch in item.response)
     return Outcome(min(1.0, digits / 3), "correct" if digits >= 3 else "wrong" if digits else
                    "unparsable", extracted=str(digits))
+
+
+def _walk_tool(turn: str) -> str:
+    """The walk environment's tool: a few milliseconds' work, an answer longer than 16 characters."""
+    time.sleep(0.05)
+    return f"{len(turn) % 100:02d}:" + "01234567890123"  # 17 characters
+
+
+@register_env(ENV)
+class WalkEnv(Environment):
+    """Two tool calls (each answers the turn's length), then the next turn is the answer."""
+
+    def step(self, turn: str) -> StepResult:
+        if self.calls >= 2:
+            return StepResult(done=True)
+        return self.use_tool("walk_tool", lambda: self.tools.call(_walk_tool, turn))
 
 
 def write_data(path: Path, n: int, offset: int = 0) -> Path:
@@ -96,9 +115,10 @@ class BigramPolicy:
         logp = torch.stack([torch.nn.functional.pad(lp, (0, width - lp.numel())) for lp, _ in rows])
         ent = torch.stack([torch.nn.functional.pad(e, (0, width - e.numel())) for _, e in rows])
         mask = torch.arange(width)[None, :] < torch.tensor(batch.response_lens)[:, None]
-        mb = MicroBatch(logp=logp, entropy=ent, mask=mask,
-                        fields=pad_token_fields(batch, list(range(len(batch))), width),
-                        index=torch.arange(len(batch)))
+        fields = pad_token_fields(batch, list(range(len(batch))), width)
+        if LOSS_MASK in fields:  # as the Megatron policy's micro-batches: tool observations untrained
+            mask &= fields[LOSS_MASK]
+        mb = MicroBatch(logp=logp, entropy=ent, mask=mask, fields=fields, index=torch.arange(len(batch)))
         loss, metrics = loss_fn(mb)
         if per_sequence is not None:  # what the rollout dumps get from the training forward
             per_sequence.add(mb)
@@ -169,7 +189,7 @@ class BigramEngine(RolloutEngine):
             for j in range(spec.n):
                 g = torch.Generator().manual_seed((spec.prompt_seed(i) or 0) * 31 + j)
                 ids, lps, prev = [], [], prompt[-1]
-                for t in range(spec.max_tokens):
+                for t in range(spec.prompt_max_tokens(i)):
                     logits = self.theta[prev]
                     if spec.temperature == 0.0:
                         tok = int(torch.argmax(logits))

@@ -75,7 +75,7 @@ def run_fake(cfg: RunConfig, tmp: Path, *, drop_version: bool = False, stale: bo
     from megatron_rl.rewards import RewardManager
     from megatron_rl.sync.base import build_weight_sync
     from megatron_rl.tracking import Tracker
-    from megatron_rl.trainer.context import Context, load_run_data
+    from megatron_rl.trainer.context import Context, load_run_data, open_envs
     from megatron_rl.trainer.run import run
     from megatron_rl.trainer.state import RunDir
     from megatron_rl.trainer.stop import StopRequest
@@ -103,7 +103,7 @@ def run_fake(cfg: RunConfig, tmp: Path, *, drop_version: bool = False, stale: bo
                   model_path=str(model_dir), entropy_ctl=EntropyController(cfg.algo.entropy),
                   stop=stop, engine=engine,
                   reward_mgr=RewardManager(cfg.reward), train_records=train, sft_records=sft,
-                  eval_records=held_out,
+                  eval_records=held_out, envs=open_envs(cfg, tok, train, sft, held_out),
                   tracker=Tracker(cfg.tracking, root, cfg.to_dict()))
     if observed:  # the rollout dumps, W&B sample table and wrong-label monitor
         from megatron_rl.trainer.context import build_observer
@@ -249,7 +249,7 @@ def observe_data(cfg: RunConfig, tmp: Path):
         train, sft, held_out = load_run_data(cfg, build_char_tokenizer())
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
-    return [(r.prompt_ids, r.prompt_text, r.ground_truth, r.style, r.data_source, r.extra)
+    return [(r.prompt_ids, r.prompt_text, r.ground_truth, r.style, r.data_source, r.extra, r.env)
             for r in train + sft + held_out]
 
 
@@ -431,6 +431,35 @@ def observe_cpu_placement(cfg: RunConfig, tmp: Path):
     return proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 else proc.stderr[-300:]
 
 
+def observe_tool_pool(cfg: RunConfig, tmp: Path):
+    """What a sandboxed tool call asks of its process pool (at the pool's boundary: the program runs
+    in this process's sandbox) and what the model reads back."""
+    from megatron_rl.envs import Environments
+    from megatron_rl.rewards import pool
+
+    seen = []
+
+    class _Pool:
+        def __init__(self, n, preload=(), memory_mb=0, start_timeout_s=0.0):
+            seen.append(("pool", n, preload))
+
+        def run(self, tasks):
+            seen.append(("timeouts", [t for _, _, t in tasks]))
+            return [pool.TaskResult("ok", fn(*args)) for fn, args, _ in tasks]
+
+        def close(self):
+            pass
+
+    real, pool.HardTimeoutPool = pool.HardTimeoutPool, _Pool
+    envs = Environments(cfg.envs, None, max_turns=cfg.rollout.max_turns, sandbox=cfg.reward.code.sandbox)
+    try:
+        out = envs.tools.run_python("print(6 * 7)")
+    finally:
+        envs.close()
+        pool.HardTimeoutPool = real
+    return seen, out
+
+
 # ------------------------------------------------------------------------------- demo inputs
 def observe_demo_inputs(cfg: RunConfig, tmp: Path):
     from safetensors.torch import load_file
@@ -514,6 +543,8 @@ PLATEAU = ["eval.every=1", "algo.correct_reward=0.3",
 # pass rate on the source (~0.25) does not stop suspects.
 WL = ["data.max_rows=4", "data.wrong_labels.min_samples=3", "data.wrong_labels.window=0",
       "data.wrong_labels.min_source_pass_rate=0.0", "data.wrong_labels.suspect_max_pass_rate=0.4"]
+# every prompt multi-turn (two tool calls, then the answer), with room for a few turns
+ENV = [f"envs.default_env={fake_run.ENV}", "stages=[{name: s1, max_response_len: 100, max_steps: 2}]"]
 PASSK = ["algo.adv_estimator=passk", "algo.passk.k=3", "algo.correct_reward=0.6"]
 DISTILL = ["algo.distill.coef=1.0", "algo.distill.teacher={walk}/teacher_a"]
 JUDGE = ["reward.judge.mode=main", "reward.judge.base_url={judge}", "reward.judge.model=j",
@@ -574,6 +605,7 @@ PROBES: dict[str, Probe] = {
     # the response length of a stage that does not set its own
     "rollout.max_response_len": Probe("2", R, ["stages=[{name: s1, max_steps: 2}, {name: s2, max_response_len: 6, max_steps: 1}]"]),
     "rollout.eval_max_tokens": Probe("3", R),
+    "rollout.max_turns": Probe("2", R, ENV),
     # asynchronous GRPO: which weights sampled what, how many prompts are drawn
     "rollout.async.max_staleness": Probe("1", R),
     "rollout.async.oversample": Probe("0.5", R),
@@ -640,6 +672,14 @@ PROBES: dict[str, Probe] = {
     "data.wrong_labels.write_every": Probe("1", observe_labels_written, [
         *WL, "stages=[{name: s1, max_response_len: 5, max_steps: 5}]"]),
     "data.wrong_labels.points_max": Probe("2", LBL, WL),
+    # environments: which prompts are multi-turn, and their tools' limits
+    "envs.default_env": Probe(fake_run.ENV, R),
+    "envs.env_map": Probe(f"{{walk: {fake_run.ENV}}}", R),
+    "envs.max_tool_calls": Probe("1", R, ENV),
+    "envs.tool_timeout_s": Probe("0.01", R, ENV),
+    "envs.max_observation_chars": Probe("16", R, ENV),
+    "envs.num_workers": Probe("1", observe_tool_pool),
+    "data.env_key": Probe("data_source", D),
     # rewards
     "reward.num_workers": Probe("1", RW),
     "reward.worker_memory_mb": Probe("1024", RW),
@@ -705,7 +745,8 @@ PROBES: dict[str, Probe] = {
     **{f"synthetic.{k}": Probe(v, observe_demo_inputs, ["synthetic.enabled=true",
                                                         "synthetic.train_size=30", "synthetic.eval_size=4"])
        for k, v in {"train_size": "31", "eval_size": "5", "min_digits": "1", "max_digits": "2",
-                    "sft_size": "5", "wrong_label_fraction": "0.2", "hard_fraction": "0.2"}.items()},
+                    "sft_size": "5", "wrong_label_fraction": "0.2", "hard_fraction": "0.2",
+                    "task": "multiplication", "env": "calculator"}.items()},
 }
 
 
