@@ -45,10 +45,32 @@ def _cmd(run_dir: Path, *overrides: str, reference: bool = False) -> list[str]:
             *COMMON, *overrides]
 
 
+def _start(run_dir: Path, *overrides: str, reference: bool = False) -> subprocess.Popen:
+    """A training run in the background, its output in a file next to its run directory. Runs are
+    single-threaded (deterministic), so two of them side by side use the box's two cores and give
+    the same metrics as one after the other."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    log = open(run_dir.parent / f"{run_dir.name}.log", "w")
+    proc = subprocess.Popen(_cmd(run_dir, *overrides, reference=reference), cwd=REPO, env=trainer_env(),
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    log.close()
+    proc.run_dir = run_dir
+    return proc
+
+
+def _finish(proc: subprocess.Popen) -> None:
+    try:
+        proc.wait(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = (proc.run_dir.parent / f"{proc.run_dir.name}.log").read_text(errors="replace")
+    assert proc.returncode == 0, out[-6000:]
+
+
 def _train(run_dir: Path, *overrides: str, reference: bool = False) -> None:
-    proc = subprocess.run(_cmd(run_dir, *overrides, reference=reference), cwd=REPO, env=trainer_env(),
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    _finish(_start(run_dir, *overrides, reference=reference))
 
 
 def _rows(run_dir: Path) -> dict[int, dict]:
@@ -75,8 +97,16 @@ def _diff(a: dict, b: dict) -> dict:
 def sync_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("async_off")
     steps = ["stages.0.max_steps=4", "algo.mini_batches=2"]
-    _train(root / "reference", *steps, reference=True)
-    _train(root / "async0", *steps, "rollout.async.max_staleness=0")
+    runs = [_start(root / "reference", *steps, reference=True),
+            _start(root / "async0", *steps, "rollout.async.max_staleness=0")]  # side by side
+    try:
+        for proc in runs:
+            _finish(proc)
+    finally:
+        for proc in runs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return _rows(root / "reference"), _rows(root / "async0"), root
 
 
@@ -127,29 +157,39 @@ def _killed_when(run_dir: Path, ready, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def killed_and_resumed(tmp_path_factory):
+def one_step_off_runs(tmp_path_factory):
     """An async run killed (-9, its process group) twice, each time resumed: (1) while the checkpoint
     of step 4 is being written (its staging directory appeared; or just after it was renamed into
     place), (2) once the second start has logged step 5 (checkpoint 4 written, step 6 running); then
-    run to the end (step 6)."""
-    run_dir = tmp_path_factory.mktemp("async1") / "run"
-    ckpts = run_dir / STAGE / "checkpoints"
-    _killed_when(run_dir, lambda: (ckpts / ".step_000004.partial").exists() or (ckpts / "step_000004").exists(),
-                 "the step-4 checkpoint")
-    killed = [_rows(run_dir)]
-    checkpoints = sorted(p.name for p in ckpts.iterdir() if (p / "trainer_state.json").exists())
-    _killed_when(run_dir, lambda: sum(r["step"] == 5 for r in read_metrics(run_dir) if r["stage"] == STAGE) >= 1,
-                 "step 5")
-    killed.append(_rows(run_dir))
-    _train(run_dir, *ONE_STEP_OFF)
-    return run_dir, killed, checkpoints
+    run to the end (step 6). Side by side with it (the other core), the same run uninterrupted."""
+    whole = _start(tmp_path_factory.mktemp("async1_whole") / "run", *ONE_STEP_OFF)
+    try:
+        run_dir = tmp_path_factory.mktemp("async1") / "run"
+        ckpts = run_dir / STAGE / "checkpoints"
+        _killed_when(run_dir, lambda: (ckpts / ".step_000004.partial").exists() or (ckpts / "step_000004").exists(),
+                     "the step-4 checkpoint")
+        killed = [_rows(run_dir)]
+        checkpoints = sorted(p.name for p in ckpts.iterdir() if (p / "trainer_state.json").exists())
+        _killed_when(run_dir, lambda: sum(r["step"] == 5 for r in read_metrics(run_dir) if r["stage"] == STAGE) >= 1,
+                     "step 5")
+        killed.append(_rows(run_dir))
+        _train(run_dir, *ONE_STEP_OFF)
+        _finish(whole)
+    finally:
+        if whole.poll() is None:
+            whole.kill()
+            whole.wait()
+    return (run_dir, killed, checkpoints), whole.run_dir
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("async1_whole") / "run"
-    _train(run_dir, *ONE_STEP_OFF)
-    return run_dir
+def killed_and_resumed(one_step_off_runs):
+    return one_step_off_runs[0]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(one_step_off_runs):
+    return one_step_off_runs[1]
 
 
 def test_async_one_step_off_trains_on_samples_one_version_old(killed_and_resumed):

@@ -26,11 +26,18 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _cmd(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(REPO / "configs/demo_cpu.yaml"),
+            "--run-dir", str(run_dir), *overrides]
+
+
+def _env(threads: int = 2) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "WANDB_MODE": "offline"}
+
+
 def _train(run_dir: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "WANDB_MODE": "offline"}
-    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(REPO / "configs/demo_cpu.yaml"),
-           "--run-dir", str(run_dir), *overrides]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(_cmd(run_dir, *overrides), env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 MINI = [
@@ -50,7 +57,34 @@ MINI = [
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
+def stuck_run(tmp_path_factory):
+    """test_a_run_that_trains_nothing_stops_with_a_diagnosis's run, started before finished_run's and
+    run beside it on one thread (the runs of a tiny model leave a core idle most of the time):
+    ``(run_dir, wait)``, ``wait()`` its CompletedProcess."""
+    run_dir = tmp_path_factory.mktemp("stuck") / "stuck"
+    out, err = (open(run_dir.parent / f"{name}.txt", "w+") for name in ("stdout", "stderr"))
+    cmd = _cmd(run_dir, *BASE, "sft.enabled=false", "stages=[{name: s, max_response_len: 8, max_steps: 6}]",
+               "trainer.max_steps_without_update=2", "tracking.wandb_mode=disabled")
+    proc = subprocess.Popen(cmd, env=_env(threads=1), stdout=out, stderr=err, text=True)
+
+    def wait() -> subprocess.CompletedProcess:
+        proc.wait(timeout=600)
+        for f in (out, err):
+            f.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+
+    try:
+        yield run_dir, wait
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for f in (out, err):
+            f.close()
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, stuck_run):
     run_dir = tmp_path_factory.mktemp("e2e") / "run"
     proc = _train(run_dir, *MINI)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -231,11 +265,10 @@ def test_off_policy_path_at_t07_from_the_finished_run(finished_run, tmp_path):
     assert "KL reference policy" in " ".join(proc.stdout.split())
 
 
-def test_a_run_that_trains_nothing_stops_with_a_diagnosis(tmp_path):
+def test_a_run_that_trains_nothing_stops_with_a_diagnosis(stuck_run):
     """A random model answers nothing parsable: every group is all-wrong, no step updates."""
-    proc = _train(tmp_path / "stuck", *BASE, "sft.enabled=false",
-                  "stages=[{name: s, max_response_len: 8, max_steps: 6}]",
-                  "trainer.max_steps_without_update=2", "tracking.wandb_mode=disabled")
+    run_dir, wait = stuck_run
+    proc = wait()
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = " ".join(proc.stdout.split())  # the console wraps long lines
     assert "no update: all 8 groups have zero reward variance (0 all-correct, 8 all-wrong" in out
@@ -245,4 +278,4 @@ def test_a_run_that_trains_nothing_stops_with_a_diagnosis(tmp_path):
                        r"timeouts 0, errors 0", err)
     assert counts and int(counts[1]) + int(counts[2]) == 2 * 8 * 8, err[-2000:]
     assert "A sample response: '" in err
-    assert len(_rows(tmp_path / "stuck")) == 2
+    assert len(_rows(run_dir)) == 2

@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -98,7 +99,7 @@ def run_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stage1(slurm_cluster, run_dir):
+def stage1(slurm_cluster, run_dir, kill9_resume):
     job = _sbatch("stage1_8k.sh", run_dir)
     out, err = job.communicate(timeout=JOB_TIMEOUT_S)
     job_id = _job_id(out)
@@ -180,9 +181,9 @@ def _close(a, b, rel=1e-6, abs_=1e-8) -> bool:
     return a == b
 
 
-def test_kill9_then_resume_with_nemo_run_local_matches_uninterrupted(stage1, run_dir, nemo_run_env, tmp_path):
-    assert stage1["rc"] == 0, stage1["log"][-4000:]
-    other = tmp_path / "run"
+def _kill9_then_resume(other: Path, job_dir: Path) -> dict:
+    """A training run of stage 1 outside Slurm, killed (-9, its process group) after its first
+    checkpoint, then resumed through NeMo-Run's local executor: what the test compares."""
     env = trainer_env()
     cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(MINI_RECIPE),
            "--run-dir", str(other), "--stage", STAGE1]
@@ -193,16 +194,36 @@ def test_kill9_then_resume_with_nemo_run_local_matches_uninterrupted(stage1, run
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its helpers (reward pool), no clean-up
         proc.wait()
-    killed_rows = _stage_rows(other, STAGE1)
-    checkpointed = max(int(p.name.split("_")[1]) for p in (other / STAGE1 / "checkpoints").iterdir()
-                       if (p / "trainer_state.json").exists())
-    wandb_id = run_state(other).get("wandb_run_id")
-    assert STAGE1 not in run_state(other)["finished_stages"]
-
-    resume = subprocess.run(
+    killed = {"rows": _stage_rows(other, STAGE1), "state": run_state(other),
+              "checkpointed": max(int(p.name.split("_")[1]) for p in (other / STAGE1 / "checkpoints").iterdir()
+                                  if (p / "trainer_state.json").exists())}
+    killed["resume"] = subprocess.run(
         [sys.executable, "-m", "launch.run", "--stage", "1", "--executor", "local",
-         "--config", str(MINI_RECIPE), "--run-dir", str(other), "--job-dir", str(tmp_path / "nemo_run")],
+         "--config", str(MINI_RECIPE), "--run-dir", str(other), "--job-dir", str(job_dir)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    return killed
+
+
+@pytest.fixture(scope="module")
+def kill9_resume(nemo_run_env, tmp_path_factory):
+    """_kill9_then_resume, started before the Slurm jobs and run beside them: each trainer is
+    single-threaded, so it takes the core a job leaves idle (the jobs' runs are the same alone)."""
+    root = tmp_path_factory.mktemp("kill9")
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(_kill9_then_resume, root / "run", root / "nemo_run")
+    yield root / "run", future
+    pool.shutdown(wait=True)
+
+
+def test_kill9_then_resume_with_nemo_run_local_matches_uninterrupted(stage1, run_dir, kill9_resume):
+    assert stage1["rc"] == 0, stage1["log"][-4000:]
+    other, future = kill9_resume
+    killed = future.result(timeout=2 * JOB_TIMEOUT_S)
+    killed_rows, checkpointed = killed["rows"], killed["checkpointed"]
+    wandb_id = killed["state"].get("wandb_run_id")
+    assert STAGE1 not in killed["state"]["finished_stages"]
+
+    resume = killed["resume"]
     assert resume.returncode == 0, resume.stderr[-4000:]
     assert run_state(other)["finished_stages"] == [STAGE1]
     assert run_state(other).get("wandb_run_id") == wandb_id  # the resumed run continues the W&B run
