@@ -3,27 +3,33 @@
 From the demo's SFT cold start (made once, reused from ``--work``), the demo's first GRPO stage
 (64 prompts x 8 samples, max response 12 tokens) runs ``--steps`` steps
 
-- ``sync``:  ``rollout.async.max_staleness=0`` (today's loop: generate, train, sync in turn),
-- ``async``: ``rollout.async.max_staleness=1`` (one-step-off: the next wave generates while the
-  trainer trains),
+- ``inproc``: the simplest loop, the engine in the trainer's process (``rollout.engine=vllm``,
+  the demo's own setting) and ``max_staleness=0``: generate, train, sync in turn on one core,
+- ``sync``:  ``rollout.async.max_staleness=0`` on a vLLM server (generate, train, sync in turn),
+- ``async``: ``rollout.async.max_staleness=1`` on a vLLM server (one-step-off: the next wave
+  generates while the trainer trains),
 
 for seed pairs 1, 2, ... (data order and sampling seeds; same SFT checkpoint, same data and held-out
 set) until the 95 % interval of the mean paired gap (async - sync held-out accuracy, Student t over
 the pairs) is narrower than ``--ci-points`` (2 points) with at least ``--min-pairs`` pairs, or
-``--max-pairs`` / the budget (``--budget-s``) ends; both modes with the same objective (``--algo``,
-default TIS: stale samples need it, and it costs the synchronous run an old-log-prob pass; e.g.
-``algo.policy_loss=decoupled_ppo`` for AReaL's decoupled objective). Finished runs are kept per
-objective (``--work``/<objective tag>/), so another objective never reuses them. The trainer process is pinned to core 0 and the engine
-(a vLLM server the trainer starts: ``vllm_server``, colocated, gloo sync) to core 1, one thread each. Prints, per run, the GRPO wall time (the steps' summed ``timing/step``),
+``--max-pairs`` / the budget (``--budget-s``) ends; every mode with the same objective (``--algo``,
+default TIS: stale samples need it, and it costs the synchronous run an old-log-prob pass when it
+takes several optimizer steps; e.g. ``algo.policy_loss=decoupled_ppo`` for AReaL's decoupled
+objective). Finished runs are kept per objective (``--work``/<objective tag>/), so another objective
+never reuses them. The trainer process computes on core 0 and the engine (a vLLM server the trainer
+starts: ``vllm_server``, colocated, gloo sync), the reward workers and the fleet client's thread on
+core 1 (``trainer.cpu_cores=[0]``), one thread each; the in-process loop has its engine on core 0 too
+(its reward workers on core 1). Prints, per run, the GRPO wall time (the steps' summed ``timing/step``),
 the greedy held-out accuracy after the stage (``--eval-size`` problems, 2000 by default; also for the SFT
 weights themselves), the mean of the last three evaluations, and
 the step's time split; then the ratios: async vs sync (ours vs naive), the physical floor of
 one-step-off, max(generation + reward, old log-probs + update) + sync per step, from the sync runs'
 own split, and (estimated from that split) async vs a synchronous loop that skips the old-log-prob
-pass (no TIS). The last line is one JSON object: ``{"wall_ratio", "accuracy_sync",
+pass (no TIS); and async vs the in-process loop (``wall_ratio_vs_inproc``, target <= 0.8, and the
+accuracies). The last line is one JSON object: ``{"wall_ratio", "accuracy_sync",
 "accuracy_async", "paired_gap_mean_points", "paired_gap_ci95_points", "settled", "objective",
-...}`` (medians over seeds; the paired gap's mean and interval over the finished pairs, for the final
-evaluation and for the mean of the last three).
+"wall_ratio_vs_inproc", ...}`` (medians over seeds; the paired gap's mean and interval over the
+finished pairs, for the final evaluation and for the mean of the last three).
 
     python benchmarks/async_speedup.py [--steps 100] [--min-pairs 6] [--max-pairs 12] [--budget-s 3600]
         [--algo algo.policy_loss=decoupled_ppo] [--work runs/bench_async]
@@ -41,7 +47,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -50,10 +55,17 @@ sys.path.insert(0, str(REPO))  # the final-weights check reads the held-out set 
 CONFIG = REPO / "configs" / "demo_cpu.yaml"
 STAGE = "stage1_12"
 STAGE_MAX_TOKENS = 12  # the stage's max_response_len (configs/demo_cpu.yaml): the evaluation's budget
-ENGINE_CORE, TRAINER_CORE = 1, 0
 # The engine in its own process: one vLLM server, started by the trainer, weights over gloo.
 SERVER = ["rollout.engine=vllm_server", "rollout.placement=colocated", "sync.transport=gloo",
           "sync.bucket_bytes=16777216"]
+# The trainer on core 0; the server, the reward workers and the fleet client on core 1.
+PLACEMENT = ["trainer.cpu_cores=[0]"]
+# Each mode's engine and loop.
+MODES = {
+    "inproc": ["rollout.engine=vllm", "sync.transport=inprocess", "rollout.async.max_staleness=0"],
+    "sync": [*SERVER, "rollout.async.max_staleness=0"],
+    "async": [*SERVER, "rollout.async.max_staleness=1"],
+}
 
 
 class Budget:
@@ -61,7 +73,7 @@ class Budget:
     finished run of its kind, kept in ``work``), so one invocation fits a slot on a shared box;
     the next invocation goes on where it stopped."""
 
-    GUESS_S = {"sft": 480.0, "sync": 420.0, "async": 300.0}
+    GUESS_S = {"sft": 480.0, "sync": 420.0, "async": 300.0, "inproc": 300.0}
 
     def __init__(self):
         self.t0 = time.perf_counter()
@@ -128,58 +140,14 @@ def _env() -> dict:
     return env
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                status = (d / "status").read_text()
-            except OSError:
-                continue
-            if f"\nPPid:\t{pid}\n" in status:
-                out.append(int(d.name))
-    return out
-
-
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        kids = _children(todo.pop())
-        out += kids
-        todo += kids
-    return out
-
-
-def _pin_engine(trainer: subprocess.Popen, stop: threading.Event) -> None:
-    """The engine is a vLLM server the trainer started (API server, EngineCore, worker): pin every
-    thread of those processes to ENGINE_CORE (repeatedly: vLLM starts threads while it boots)."""
-    while not stop.wait(0.5):
-        for child in _children(trainer.pid):
-            try:
-                if b"vllm.entrypoints" not in Path(f"/proc/{child}/cmdline").read_bytes():
-                    continue
-                for pid in [child, *_descendants(child)]:
-                    for tid in Path(f"/proc/{pid}/task").iterdir():
-                        os.sched_setaffinity(int(tid.name), {ENGINE_CORE})
-            except OSError:
-                pass
-
-
-def train(run_dir: Path, overrides: list[str], pin: bool) -> None:
+def train(run_dir: Path, overrides: list[str]) -> None:
     cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(CONFIG), "--run-dir", str(run_dir),
            "--stage", STAGE, "tracking.wandb_mode=disabled", "tracking.console=false", *overrides]
     if run_dir.exists():  # a run that did not finish (killed): start it afresh, not resumed or appended to
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     log = (run_dir.parent / f"{run_dir.name}.log").open("w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT,
-                            preexec_fn=(lambda: os.sched_setaffinity(0, {TRAINER_CORE})) if pin else None)
-    stop = threading.Event()
-    pinner = threading.Thread(target=_pin_engine, args=(proc, stop), daemon=True)
-    if pin:
-        pinner.start()
-    rc = proc.wait()
-    stop.set()
+    rc = subprocess.run(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         raise SystemExit(f"{' '.join(cmd)} failed (rc {rc}); see {log.name}")
 
@@ -199,7 +167,7 @@ def sft_checkpoint(work: Path, eval_size: int, sft_args: list[str]) -> Path:
         # is the SFT weights' held-out accuracy
         # the in-process engine (the demo's): the cold start is not timed, and it is the same
         # checkpoint whichever engine sampled its validation answers
-        train(sft, ["stages.0.max_steps=1", f"synthetic.eval_size={eval_size}", *sft_args], pin=False)
+        train(sft, ["stages.0.max_steps=1", f"synthetic.eval_size={eval_size}", *sft_args])
         BUDGET.record("sft", time.perf_counter() - t0)
         print(f"  done in {time.perf_counter() - t0:.0f} s", flush=True)
     return sft
@@ -267,11 +235,11 @@ def grpo_run(work: Path, sft: Path, mode: str, seed: int, steps: int, algo: list
             "sft.enabled=false", f"trainer.init_from={sft / 'sft' / 'final'}", f"trainer.seed={seed}",
             f"model.path={sft / 'base_model'}", "synthetic.enabled=false",
             f"data.train_path={sft / 'data' / 'train.jsonl'}", f"eval.path={sft / 'data' / 'eval.jsonl'}",
-            f"stages.0.max_steps={steps}", f"eval.every={eval_every}", "trainer.save_every=0", *SERVER,
-            f"rollout.async.max_staleness={1 if mode == 'async' else 0}", *algo,
+            f"stages.0.max_steps={steps}", f"eval.every={eval_every}", "trainer.save_every=0",
+            *MODES[mode], *PLACEMENT, *algo,
         ]
         t0 = time.perf_counter()
-        train(run_dir, overrides, pin=True)
+        train(run_dir, overrides)
         (run_dir / "bench_load.txt").write_text(loadavg())
         BUDGET.record(mode, time.perf_counter() - t0)
         print(f"  {mode} seed {seed}: process {time.perf_counter() - t0:.0f} s (load {loadavg()})", flush=True)
@@ -300,6 +268,25 @@ def grpo_run(work: Path, sft: Path, mode: str, seed: int, steps: int, algo: list
             "load": (run_dir / "bench_load.txt").read_text().split()[0]}
 
 
+def versus_inproc(runs: list[dict], seeds: set[int]) -> dict:
+    """One-step-off against the simplest loop (``inproc``) over the seeds with both runs made: the
+    wall-time ratio of the medians (target <= 0.8) and the accuracies (printed, and as JSON keys)."""
+    if not seeds:
+        return {}
+    by = {(r["mode"], r["seed"]): r for r in runs if r["seed"] in seeds}
+    med = {m: {k: statistics.median(by[m, s][k] for s in seeds) for k in ("wall_s", "accuracy", "accuracy_last3")}
+           for m in ("inproc", "async")}
+    paired = [round(100 * (by["async", s]["accuracy"] - by["inproc", s]["accuracy"]), 1) for s in sorted(seeds)]
+    out = {"wall_ratio_vs_inproc": med["async"]["wall_s"] / med["inproc"]["wall_s"],
+           "wall_inproc_s": med["inproc"]["wall_s"], "accuracy_inproc": med["inproc"]["accuracy"],
+           "accuracy_last3_inproc": med["inproc"]["accuracy_last3"], "paired_gap_points_vs_inproc": paired,
+           "seeds_vs_inproc": sorted(seeds)}
+    print(f"\nasync / in-process synchronous loop wall time: {out['wall_ratio_vs_inproc']:.3f} (target <= 0.8); "
+          f"held-out accuracy in-process {med['inproc']['accuracy']:.3f}, async {med['async']['accuracy']:.3f} "
+          f"(per seed async - in-process {paired} points)")
+    return out
+
+
 def main() -> None:
     from megatron_rl.common.cli_args import ArgumentParser
     from megatron_rl.trainer.schema import load_run_config
@@ -316,7 +303,7 @@ def main() -> None:
     p.add_argument("--sft-args", nargs="*", default=[])
     # Which runs to make (finished runs are reused): one locked command per (seed, mode) keeps each
     # piece short on a shared box; the summary covers every finished run of --seeds.
-    p.add_argument("--modes", nargs="+", choices=("sync", "async"), default=["sync", "async"])
+    p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
     p.add_argument("--work", type=Path, default=REPO / "runs" / "bench_async")
     # Held-out problems (written once with the SFT run's data): 2000 puts the binomial standard
     # error of one accuracy at about 1.1 points (0.5 * 0.5 / 2000), half of 500's.
@@ -351,7 +338,7 @@ def main() -> None:
     runs, gaps = [], []
     for seed in seeds:
         pair = {}
-        for mode in ("sync", "async"):
+        for mode in MODES:  # the pair (sync, async) makes the gap; inproc beside it
             r = grpo_run(args.work, sft, mode, seed, args.steps, args.algo, make=mode in args.modes,
                          eval_every=args.eval_every)
             if r is not None:
@@ -366,11 +353,12 @@ def main() -> None:
                 break
     # The summary pairs the two modes seed by seed: only seeds with both runs finished count.
     complete = {r["seed"] for r in runs if r["mode"] == "sync"} & {r["seed"] for r in runs if r["mode"] == "async"}
-    if not complete:
+    inproc_seeds = {r["seed"] for r in runs if r["mode"] == "inproc"} & {r["seed"] for r in runs if r["mode"] == "async"}
+    if not complete and not inproc_seeds:
         print(json.dumps({"accuracy_sft": sft_acc, "runs": [(r["mode"], r["seed"], r["accuracy"]) for r in runs],
                           "load": loadavg()}))
         return
-    runs = [r for r in runs if r["seed"] in complete]
+    runs = [r for r in runs if r["seed"] in complete | inproc_seeds]
     print(f"load average after: {loadavg()}")
     print("\nThe final evaluation vs the final weights (transformers' greedy answers of final/hf):")
     for r in runs:
@@ -388,6 +376,11 @@ def main() -> None:
               f"{s['reward']:.2f} | {s['logprob']:.2f} | {s['update']:.2f} | {s['sync']:.2f} | {s['other']:.2f} | "
               f"{r['trainer_wait_s']:.2f} | {r['accuracy']:.3f} | {r['accuracy_hf']:.3f} | {r['accuracy_last3']:.3f} | "
               f"{r['reward_last']:.3f} | {r['entropy_last']:.3f} | {r['load']} |")
+    if not complete:  # no server-side synchronous runs: the in-process loop is the comparison
+        print(json.dumps({"accuracy_sft": sft_acc, **versus_inproc(runs, inproc_seeds), "steps": args.steps,
+                          "algo": args.algo, "load": loadavg()}))
+        return
+    every, runs = runs, [r for r in runs if r["seed"] in complete]
     keys = ("wall_s", "accuracy", "accuracy_last3", "reward_last")
     med = {m: {k: statistics.median(r[k] for r in runs if r["mode"] == m) for k in keys} for m in ("sync", "async")}
     by = {(r["mode"], r["seed"]): r for r in runs}
@@ -435,7 +428,8 @@ def main() -> None:
            "reward_last20_async": med["async"]["reward_last"],
            "floor_ratio": statistics.median(floors), "wall_sync_s": med["sync"]["wall_s"],
            "wall_async_s": med["async"]["wall_s"], "steps": args.steps,
-           "seeds": sorted({r["seed"] for r in runs}), "algo": args.algo, "load": loadavg()}
+           "seeds": sorted({r["seed"] for r in runs}), "algo": args.algo, "load": loadavg(),
+           **versus_inproc(every, inproc_seeds)}
     print(f"paired gap async - sync over {len(paired)} pairs: final evaluation {out['paired_gap_mean_points']:+.2f} "
           f"+- {out['paired_gap_ci95_points']:.2f} points (95 %), mean of the last three evaluations "
           f"{out['paired_gap_last3_mean_points']:+.2f} +- {out['paired_gap_last3_ci95_points']:.2f}; "

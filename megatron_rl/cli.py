@@ -76,6 +76,8 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
                                               f"stage {stage}" if stage else "every stage")
         return 0
     make_dir(cfg.trainer.run_dir, "trainer.run_dir", "the run directory")  # before the world starts
+    if cfg.trainer.cpu_cores:  # before any thread starts: every one inherits the trainer's cores
+        place_cpus(cfg)
     apply_compat()  # the one call: the CPU shim (a no-op with CUDA) and the Megatron fixes
     groups = init_distributed(cfg.policy.parallel, seed=cfg.policy.seed)
     logs = route_logs(cfg.trainer.run_dir, verbose=cfg.tracking.console_libraries, rank=groups.rank)
@@ -94,6 +96,20 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
         logging.getLogger("megatron_rl").info("libraries logged %d warnings, kept off the console: %s",
                                               hidden_warnings(), logs)
     return code
+
+
+def place_cpus(cfg) -> None:
+    """``trainer.cpu_cores``: this (single) trainer process on its cores, its helpers and servers on the
+    others (``common/cpus.py``); a core it may not use, or several ranks, is a config error."""
+    from megatron_rl.common.cpus import place_trainer
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        cfg.trainer.fail("cpu_cores", "pins one trainer process to its cores; a run of several ranks "
+                         "(torchrun) would pin them all to the same ones")
+    try:
+        place_trainer(cfg.trainer.cpu_cores)
+    except ValueError as exc:
+        cfg.trainer.fail("cpu_cores", str(exc))
 
 
 def _engines(config: str, run_dir: str | None, node: str | None, host: str | None, count: int | None,

@@ -99,8 +99,9 @@ def cispo_loss(t: PolicyTokens, cfg: AlgoConfig) -> tuple[Tensor, dict[str, Tens
 @register_policy_loss("decoupled_ppo")
 def decoupled_ppo_loss(t: PolicyTokens, cfg: AlgoConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """AReaL's decoupled PPO (Fu et al. 2025): w_t * PPO-clip(pi_theta / pi_prox), where pi_prox is
-    the recomputed old policy and w_t = pi_prox(y_t) / pi_behav(y_t) weighs each token by how far
-    the weights that sampled it (the engine's log-probs, possibly a stale version) are from pi_prox;
+    the old policy (recomputed before several optimizer steps; before a single one, the training
+    forward's own detached log-probs) and w_t = pi_prox(y_t) / pi_behav(y_t) weighs each token by
+    how far the weights that sampled it (the engine's log-probs, possibly a stale version) are from pi_prox;
     above algo.decoupled.cap the weight is truncated to the cap or the token masked (over_cap).
     Fresh samples (pi_behav = pi_prox) have w = 1: the loss is ppo_clip's, exactly.
     """
@@ -118,6 +119,3 @@ def decoupled_ppo_loss(t: PolicyTokens, cfg: AlgoConfig) -> tuple[Tensor, dict[s
     return loss * weight.to(loss.dtype), {**events, "decoupled_over_cap": over,
                                           "decoupled_weight": weight.detach()}
 
-
-# The losses that weigh tokens with the engine's log-probs: the trainer recomputes pi_old for them.
-decoupled_ppo_loss.uses_rollout_logp = True

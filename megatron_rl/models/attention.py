@@ -27,9 +27,14 @@ of the sequence's 2·CP load-balanced chunks; the attention over the whole seque
 :func:`megatron_rl.models.context_parallel.context_parallel_attention` (all-gather of K/V over the
 CP group). That path supports the causal layer without an explicit mask and without dropout.
 
+Packed sequences (``packed_seq_params`` with ``qkv_format="thd"``, ``models/packing.py``): inputs
+``[t, np, hn]`` / ``[t, ng, hn]``, output ``[t, np * hn]``; causal attention within each sequence of
+``cu_seqlens_q_padded`` (else ``cu_seqlens_q``) — :func:`megatron_rl.models.packing.packed_causal_attention`,
+or with CP the same all-gather attention, sequence by sequence.
+
 Not supported, refused at construction: ``softmax_type`` other than ``vanilla``, sliding-window
-attention; at call time: packed sequences (THD) and attention biases (neither does
-``DotProductAttention``).
+attention; at call time: attention biases (neither does ``DotProductAttention``), and packed
+sequences with an explicit mask or a non-causal layer.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl.models.context_parallel import context_parallel_attention
+from megatron_rl.models.packing import packed_causal_attention
 
 
 def _megatron_base():
@@ -93,10 +99,10 @@ class SDPAttention(_megatron_base()):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         """``[sq, b, np, hn]`` x ``[sk, b, ng, hn]`` -> ``[sq, b, np * hn]``."""
-        if packed_seq_params is not None:
-            raise ValueError("SDPAttention does not support packed sequences (THD)")
         if attention_bias is not None:
             raise ValueError("SDPAttention does not support attention biases")
+        if packed_seq_params is not None:
+            return self._forward_packed(query, key, value, attention_mask, packed_seq_params)
         sq, b = query.shape[0], query.shape[1]
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -108,6 +114,36 @@ class SDPAttention(_megatron_base()):
         else:
             out = self._attend(q, k, v, attention_mask, sq)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
+
+    def _forward_packed(self, query, key, value, attention_mask, params):
+        """``[t, np, hn]`` x ``[t, ng, hn]`` -> ``[t, np * hn]``, causal within each sequence."""
+        from megatron.core import tensor_parallel
+
+        if params.qkv_format != "thd" or attention_mask is not None or not self._causal():
+            raise ValueError(f"SDPAttention: packed sequences need qkv_format 'thd' (got "
+                             f"{params.qkv_format!r}), the causal layer and no attention mask")
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None \
+            else params.cu_seqlens_q
+        bounds = [int(x) for x in cu.tolist()]
+        t = query.shape[0]
+        if self.cp_size > 1:
+            # [t, h, d] -> [1, h, t, d]: one row of packed sequences, each split over the CP group
+            q, k, v = (x.permute(1, 0, 2)[None] for x in (query, key, value))
+            out = context_parallel_attention(q, k, v, self.cp_group, self.softmax_scale,
+                                             bounds=bounds)[0].permute(1, 0, 2)
+        else:
+            dropout = self.dropout_p if self.training else 0.0
+
+            def attend():
+                return packed_causal_attention(query, key, value, bounds, self.softmax_scale,
+                                               dropout)
+
+            if dropout > 0 and not self.config.sequence_parallel:
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    out = attend()
+            else:
+                out = attend()
+        return out.reshape(t, self.heads * self.head_dim)
 
     def _attend(self, q, k, v, attention_mask, sq: int):
         from megatron.core import tensor_parallel

@@ -1,16 +1,14 @@
 """Batches the policy consumes, and their split over data-parallel ranks and micro-batches.
 
 A :class:`SequenceBatch` is B sequences (prompt + response token ids) with per-response-token and
-per-sequence fields. :func:`shard_for_dp` splits it over data-parallel ranks balancing tokens;
-:func:`pack_micro_batches` bin-packs one rank's sequences under a token budget (dynamic batch size:
-many short sequences or few long ones per micro-batch). A loss function sees a :class:`MicroBatch`,
-padded over RESPONSE positions only.
+per-sequence fields; ``models/packing.py`` splits it over data-parallel ranks and micro-batches and
+lays the micro-batches out. A loss function sees a :class:`MicroBatch`, padded over RESPONSE
+positions only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
 
 import torch
 
@@ -134,44 +132,6 @@ class PerSequence:
         self.values = {name: torch.where(seen, flat[i], torch.full_like(flat[i], float("nan")))
                        for i, name in enumerate(self.names)}
         return self.values
-
-
-def shard_for_dp(lengths: list[int], dp: int) -> list[list[int]]:
-    """Split sequence indices over ``dp`` ranks, balancing total tokens (longest first onto the
-    lightest rank). Every rank gets at least one sequence when there are at least ``dp``."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    heap = [(0, 0, r) for r in range(dp)]  # (tokens, sequences, rank)
-    shards: list[list[int]] = [[] for _ in range(dp)]
-    for i in order:
-        tokens, count, r = heapq.heappop(heap)
-        shards[r].append(i)
-        heapq.heappush(heap, (tokens + lengths[i], count + 1, r))
-    return shards
-
-
-def pack_micro_batches(lengths: list[int], indices: list[int], token_budget: int,
-                       multiple_of: int = 1) -> list[list[int]]:
-    """Group ``indices`` into micro-batches whose padded size (count x longest) fits the budget.
-
-    Sequences are taken longest first, so each micro-batch holds sequences of similar length; one
-    longer than the budget gets a micro-batch of its own. With ``multiple_of`` > 1 the largest
-    micro-batches are split until the count is a multiple of it where the sequences allow (the
-    interleaved pipeline schedule wants a multiple of the pipeline size).
-    """
-    order = sorted(indices, key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= token_budget:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    while len(batches) % multiple_of:
-        big = max(range(len(batches)), key=lambda k: len(batches[k]))
-        if len(batches[big]) < 2:
-            break
-        half = len(batches[big]) // 2
-        batches[big:big + 1] = [batches[big][:half], batches[big][half:]]
-    return batches
 
 
 def pad_token_fields(batch: SequenceBatch, index: list[int], width: int) -> dict[str, torch.Tensor]:

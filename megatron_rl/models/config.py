@@ -205,10 +205,14 @@ class PolicyConfig(ConfigBase):
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     # Optimizer and learning-rate schedule.
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
-    # Token budget of one micro-batch per rank (padded size: sequences x longest sequence, divided
-    # by context_parallel); sequences are bin-packed under it, a longer one gets a micro-batch of
-    # its own.
+    # Token budget of one micro-batch per rank (divided by context_parallel): padded, sequences x
+    # longest sequence; packed, the sequences' summed lengths. Sequences are grouped under it, a
+    # longer one gets a micro-batch of its own.
     micro_batch_tokens: int = ranged(8192, ge=1)
+    # Packed sequences: a micro-batch's sequences concatenated in one row without padding,
+    # attention within each (THD: Transformer Engine's kernels on GPUs, ours on the CPU); false:
+    # one right-padded row per sequence. Same log-probs, losses and gradients either way.
+    packed_sequences: bool = True
     # Megatron layer spec: te (Transformer Engine: fused norm + linear, fused/flash attention,
     # context parallelism on GPUs; needs CUDA and transformer-engine), local (Megatron-Core's own
     # layers with our attention on torch's scaled_dot_product_attention), auto (te where it can

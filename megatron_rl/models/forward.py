@@ -3,8 +3,9 @@
 Built from a Hugging Face checkpoint into any TP x PP (x VPP) x CP x DP layout, on the Transformer
 Engine or the local layer spec (``policy.layer_spec``). :class:`PolicyForward` holds this rank's
 model chunks and runs them through Megatron's pipeline
-schedule (``get_forward_backward_func``, forward only) on micro-batches bin-packed under a token
-budget and sharded over data-parallel ranks. On the last stage, log-probs and entropy of the
+schedule (``get_forward_backward_func``, forward only) on micro-batches grouped under a token
+budget and sharded over data-parallel ranks, padded or packed (``policy.packed_sequences``,
+:mod:`megatron_rl.models.packing`). On the last stage, log-probs and entropy of the
 response tokens come from the final hidden states and the output-layer weight via
 :func:`megatron_rl.ops.fused_logprob_entropy` (vocab-parallel under TP); the ``[s, b, V]`` logits are
 never formed. The trainable :class:`~megatron_rl.models.policy.MegatronPolicy` (DDP-wrapped chunks)
@@ -27,6 +28,7 @@ from megatron_rl.models.hf_load import load_hf_weights
 from megatron_rl.models.layers import resolve_layer_spec
 from megatron_rl.models.micro_batches import MicroInputs, plan_micro_batches
 from megatron_rl.models.moe_signals import padding_mask as moe_padding_mask
+from megatron_rl.models.packing import attention_weight
 from megatron_rl.models.parallel import ParallelGroups, check_layout
 from megatron_rl.models.routing_replay import Routes, RoutingReplay
 
@@ -107,6 +109,18 @@ class PolicyForward:
         self._routing: RoutingReplay | None = None  # MoE: this policy's own routers (built on first use)
 
     # ---------------------------------------------------------------- schedule plumbing
+    def _micro_batches(self, batch: SequenceBatch) -> list[MicroInputs]:
+        """This rank's micro-batches of ``batch``: padded or packed, balanced by tokens and
+        attention cost (:func:`~megatron_rl.models.micro_batches.plan_micro_batches`). A
+        Mixture-of-Experts policy keeps the padded layout (one row per sequence: its routers'
+        padding mask and routing replay's router rows are laid out per padded row)."""
+        a = self.arch
+        weight = attention_weight(a.hidden_size, a.ffn_hidden_size, a.num_heads, a.num_kv_heads,
+                                  a.head_dim, a.vocab_size)
+        packed = self.cfg.packed_sequences and not a.is_moe
+        return plan_micro_batches(batch, self.groups, self.cfg.micro_batch_tokens,
+                                  packed=packed, attn_weight=weight)
+
     def _token_stats(self, mb: MicroInputs, hidden: torch.Tensor, chunk, temperature: float,
                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response-token log-probs and entropy, flat ``[N]``, from the last stage's hidden states."""
@@ -158,7 +172,8 @@ class PolicyForward:
                 kwargs["padding_mask"] = moe_padding_mask(mb, bare(chunk), g)
             if replay is not None:
                 replay.before_forward(bare(chunk), mb)
-            hidden = chunk(mb.input_ids, mb.position_ids, None, **kwargs)
+            hidden = chunk(mb.input_ids, mb.position_ids, None,
+                           packed_seq_params=mb.packed_seq_params, **kwargs)
             if replay is not None:
                 replay.after_forward(bare(chunk), mb)
             return hidden, partial(step_fn, mb, chunk)
@@ -206,7 +221,7 @@ class PolicyForward:
         No gradient. Collective; every rank returns the full result (CPU float32 tensors).
         """
         g = self.groups
-        micro = plan_micro_batches(batch, self.groups, self.cfg.micro_batch_tokens)
+        micro = self._micro_batches(batch)
 
         def collect(mb, chunk, hidden, non_loss_data=False):
             logp, ent = self._token_stats(mb, hidden, chunk, temperature, with_entropy)
@@ -223,7 +238,7 @@ class PolicyForward:
             starts = torch.tensor(offsets[:-1], dtype=torch.long, device=g.device)
             for mb, logp, ent in (o for o in out if not o[0].dummy):
                 index = torch.tensor(mb.index, dtype=torch.long, device=g.device)
-                where = starts[index[mb.pos_b]] + mb.col
+                where = starts[index[mb.row]] + mb.col
                 flat[0, where] = logp.float()
                 if ent is not None:
                     flat[1, where] = ent.float()

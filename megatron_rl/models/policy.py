@@ -39,7 +39,6 @@ from megatron_rl.models.config import PolicyConfig
 from megatron_rl.models.forward import PolicyForward, build_from_hf, params_dtype
 from megatron_rl.models.hf_config import HFArch
 from megatron_rl.models.hf_export import ExportItem, export_hf_weights, export_owned, export_plan
-from megatron_rl.models.micro_batches import plan_micro_batches
 from megatron_rl.models.moe_signals import MoESignals
 from megatron_rl.models.optimizer import wrap_for_training
 from megatron_rl.models.parallel import ParallelGroups
@@ -79,7 +78,7 @@ class MegatronPolicy(PolicyForward):
         the update), gathered onto every rank. ``routes``: MoE routing replay (the experts every
         token goes through, in the forward and any recomputation)."""
         g = self.groups
-        micro = plan_micro_batches(batch, self.groups, self.cfg.micro_batch_tokens)
+        micro = self._micro_batches(batch)
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -94,8 +93,8 @@ class MegatronPolicy(PolicyForward):
             if mb.dummy:  # keeps the graph (and the collectives in backward) with a zero loss
                 return logp.sum() * 0.0 + keep, torch.tensor(0, dtype=torch.int), {}
             b = len(mb.index)
-            dense = logp.new_zeros(b, mb.width).index_put((mb.pos_b, mb.col), logp)
-            dense_ent = (ent.new_zeros(b, mb.width).index_put((mb.pos_b, mb.col), ent)
+            dense = logp.new_zeros(b, mb.width).index_put((mb.row, mb.col), logp)
+            dense_ent = (ent.new_zeros(b, mb.width).index_put((mb.row, mb.col), ent)
                          if ent is not None else None)
             if g.cp > 1:  # each CP rank filled its own tokens: the sum is the whole layout
                 dense, dense_ent = (None if t is None else _sum_over_cp(t, g.cp_group)

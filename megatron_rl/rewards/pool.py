@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_any
 from typing import Any, Callable
 
+from megatron_rl.common.cpus import pin_to_helpers
+
 log = logging.getLogger(__name__)
 
 # Consecutive worker deaths before "ready" after which the pool gives up (a broken environment).
@@ -63,6 +65,7 @@ def _address_space_bytes() -> int:
 
 
 def _worker_main(conn, preload: tuple[str, ...], memory_mb: int) -> None:
+    pin_to_helpers()  # trainer.cpu_cores: scoring never takes the trainer's core
     if memory_mb > 0:  # on top of what the interpreter already maps (spawn may import __main__)
         limit = _address_space_bytes() + memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))

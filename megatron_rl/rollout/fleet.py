@@ -56,6 +56,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
+from megatron_rl.common.cpus import pin_to_helpers
 from megatron_rl.rollout.base import (UNKNOWN_VERSION, Completion, EngineDied, EngineError, EngineTimeout,
                                       PauseMode, RolloutEngine, SamplingSpec)
 from megatron_rl.rollout.config import RolloutConfig
@@ -149,9 +150,13 @@ class EngineFleet(RolloutEngine):
         # time.monotonic() of the last dispatch, answer or revival step (see last_progress)
         self._progress = time.monotonic()
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name=f"{name}-loop", daemon=True)
         self._thread.start()
         self._changed = self._run(self._make_condition())
+
+    def _run_loop(self) -> None:
+        pin_to_helpers()  # trainer.cpu_cores: the HTTP traffic of a wave in flight is not the trainer's
+        self._loop.run_forever()
 
     # ------------------------------------------------------------------------------ membership
     @property

@@ -3,7 +3,8 @@
 Every server :class:`~megatron_rl.rollout.launcher.ServerProcess` starts runs as
 ``python -m megatron_rl.rollout.lifeline OWNER_PID MODULE ARGS...``: a watchdog thread, then
 ``MODULE`` (vLLM's API server) run as ``__main__`` in this same process, so the server's pid, its
-command line and its process group are what they would be without the wrapper. The server runs in
+command line and its process group are what they would be without the wrapper. It first pins the
+process to the CPUs the trainer left it, if any (``trainer.cpu_cores``, ``common/cpus.py``). The server runs in
 its own session; the watchdog checks every :data:`POLL_S` that the process's parent is still
 ``OWNER_PID``, and once it is not (the owner exited or was killed, SIGKILL included, and the server
 was re-parented to init or a subreaper) it kills the server's whole process group: the API server,
@@ -29,6 +30,8 @@ import signal
 import sys
 import threading
 import time
+
+from megatron_rl.common.cpus import pin_from_environment
 
 # How often the watchdog looks at the server's parent (the server outlives its owner by at most this).
 POLL_S = 0.5
@@ -61,6 +64,7 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2:
         raise SystemExit("usage: python -m megatron_rl.rollout.lifeline OWNER_PID MODULE [ARGS...]")
     owner_pid, module, args = int(argv[0]), argv[1], argv[2:]
+    pin_from_environment()  # trainer.cpu_cores: the server on the CPUs the trainer left it
     watch(owner_pid)
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

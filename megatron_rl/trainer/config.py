@@ -95,8 +95,15 @@ class TrainerConfig(ConfigBase):
     # Stop the run with a diagnosis (outcome counts, a sample response) after this many consecutive
     # GRPO steps without an update (every group had zero reward variance); 0: never stop.
     max_steps_without_update: int = ranged(10, ge=0)
+    # CPU cores the trainer's process computes on (e.g. [0]); the vLLM servers it launches, its reward
+    # workers and the fleet client's thread then run on the other CPUs it may use (common/cpus.py): on
+    # a small CPU machine one-step-off overlaps generation and training only on separate cores. An
+    # in-process engine computes on these cores too. Empty: nothing is pinned.
+    cpu_cores: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
         super().validate()
+        if any(c < 0 for c in self.cpu_cores) or len(set(self.cpu_cores)) != len(self.cpu_cores):
+            self.fail("cpu_cores", f"must be distinct core numbers >= 0, got {self.cpu_cores}")
         if not self.run_dir.strip():
             self.fail("run_dir", "must be a directory path, got an empty string")

@@ -6,11 +6,12 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rl.algo import POLICY_LOSSES, AlgoConfig, token_masks
+from megatron_rl.algo import AlgoConfig, token_masks
 from megatron_rl.common.metrics import reduce_metrics
 from megatron_rl.models.batch import PerSequence, SequenceBatch
 from megatron_rl.tracking.console import StageProgress
@@ -126,7 +127,8 @@ def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: Pro
                 m, per_sample = update_policy(
                     ctx.policy, batch, cfg.algo, cfg.rollout.temperature, alpha=ctx.entropy_ctl.alpha,
                     max_response_len=stage.max_response_len,
-                    seed=phases.sampling_seed(cfg.trainer.seed, state.global_step))
+                    seed=phases.sampling_seed(cfg.trainer.seed, state.global_step),
+                    version=state.weight_version)
                 metrics.update(m)
             with timer("sync"):
                 metrics.update(rollouts.before_sync() if rollouts is not None else {})
@@ -168,18 +170,19 @@ def run_steps(ctx: Context, stage: StageConfig, state: TrainerState, loader: Pro
 
 
 def needs_old_logprobs(a: AlgoConfig, batch: SequenceBatch, version: int) -> bool:
-    """Whether the old policy's log-probs must be recomputed before the update. Strictly
-    on-policy (one pass, one mini-batch, no mismatch correction or loss that weighs tokens by the
-    engine's log-probs, no KL in the reward, no token mask) with every token sampled by the current
-    weights (``version``), the old policy is the current one, and the loss uses the training
-    forward's own log-probs instead. A rollout from older weights (rollout.async) is always
-    recomputed; TIS / IcePop / decoupled PPO then weigh it with the engine's log-probs. A token
-    mask needs the old policy's entropy over the whole batch before the first optimizer step."""
-    versions = batch.token_fields.get("weight_version")
-    behind = versions is not None and any(bool((v != version).any()) for v in versions)
-    weighs = getattr(POLICY_LOSSES[a.policy_loss], "uses_rollout_logp", False)
-    return (a.n_sgd > 1 or a.mini_batches > 1 or a.mismatch.mode != "none" or weighs
-            or (a.kl.enabled and a.kl.as_reward) or a.token_mask.mode != "none" or behind)
+    """Whether the old policy's log-probs must be recomputed before the update. With one optimizer
+    step on the batch (one pass, one mini-batch) the weights the training forward runs with ARE the
+    old policy, whether the tokens were sampled by them or by older ones (rollout.async): the loss
+    takes that forward's log-probs, detached, as the old ones (TIS / IcePop weigh them against the
+    engine's), and the train-inference gaps are measured on it (:func:`update_policy`), so a
+    recompute would only repeat that forward. Recomputed: several optimizer steps (every step after
+    the first needs the log-probs from before the first), or a phase that reads them before the
+    update: KL in the reward, or a token mask (the old policy's entropy over the whole batch, before
+    the first step). Losses that weigh tokens by the engine's log-probs (decoupled PPO's proximal
+    policy, TIS / IcePop) read the same detached forward. ``batch`` and ``version`` (the trainer's
+    weight version) are what later conditions may read."""
+    return (a.n_sgd > 1 or a.mini_batches > 1 or (a.kl.enabled and a.kl.as_reward)
+            or a.token_mask.mode != "none")
 
 
 def add_logprobs(policy: MegatronPolicy, reference: ReferencePolicy | None, batch: SequenceBatch,
@@ -242,32 +245,74 @@ def logp_gap_by_staleness(logp: list, rollout_logp: list, versions: list, versio
 
 
 def update_policy(policy: MegatronPolicy, batch: SequenceBatch, a: AlgoConfig, temperature: float, *,
-                  alpha: float, max_response_len: int, seed: int) -> tuple[dict, dict[str, torch.Tensor]]:
+                  alpha: float, max_response_len: int, seed: int, version: int | None = None
+                  ) -> tuple[dict, dict[str, torch.Tensor]]:
     """``n_sgd`` passes over the batch, ``mini_batches`` optimizer steps per pass, each pass in a
     fresh shuffled order (``phases.optimizer_steps`` with the step's ``seed``); metrics averaged over
     the steps (``_min`` / ``_max`` keys: the extremes). ``actor/first_step_ratio_{min,max}`` are the
     first optimizer step's: 1 (to rounding) whenever the old log-probs were recomputed, since
     nothing has changed the policy yet. Also returns per-sample values of the first pass's forwards
-    (:data:`phases.SAMPLE_STATS`, ``[B]`` each, batch order) for the dumps."""
+    (:data:`phases.SAMPLE_STATS`, ``[B]`` each, batch order) for the dumps.
+
+    Without recomputed old log-probs (:func:`needs_old_logprobs`: one optimizer step) the
+    train-inference gaps come from the training forward, before its step: ``rollout/train_infer_logp_gap``
+    (the mean over sequences of each one's mean |trainer - engine| log-prob) and, for tokens sampled
+    ``d`` versions before ``version`` (the trainer's), ``async/logp_gap_staleness_{d}`` (their mean)."""
     with_entropy = True  # entropy is always measured (metrics, entropy control); its grad only if used
     routing = StepRouting(a)
     schedule = phases.optimizer_steps(batch, a, seed)
     first_pass = len(schedule) // a.n_sgd
-    per_sample = {k: torch.full((len(batch),), float("nan")) for k in phases.SAMPLE_STATS}
+    names = phases.SAMPLE_STATS
+    gaps = "old_logp" not in batch.token_fields and "rollout_logp" in batch.token_fields
+    stale = _staleness(batch, version) if gaps and version is not None else None
+    if stale is not None:
+        names = names + tuple(f"{k}_{d}" for d in range(stale) for k in ("gap_sum", "gap_n"))
+    per_sample = {k: torch.full((len(batch),), float("nan")) for k in names}
     steps = []
     for k, (index, mb) in enumerate(schedule):
         loss_fn = phases.make_loss_fn(mb, a, alpha=alpha, max_response_len=max_response_len)
-        ps = PerSequence(phases.sample_stats, phases.SAMPLE_STATS, len(mb)) if k < first_pass else None
+        fn = phases.sample_stats if stale is None else partial(_stats_with_staleness, version=version, depth=stale)
+        ps = PerSequence(fn, names, len(mb)) if k < first_pass else None
         steps.append(policy.train_step(mb, loss_fn, temperature=temperature, with_entropy=with_entropy,
                                        per_sequence=ps, routes=routing.update_pass(mb)))
         if ps is not None:
-            for name in phases.SAMPLE_STATS:
+            for name in names:
                 per_sample[name][index] = ps.values[name]
     metrics = reduce_metrics(steps, mean=True)
     if "actor/ratio_min" in steps[0]:
         metrics["actor/first_step_ratio_min"] = steps[0]["actor/ratio_min"]
         metrics["actor/first_step_ratio_max"] = steps[0]["actor/ratio_max"]
+    if gaps:
+        metrics["rollout/train_infer_logp_gap"] = float(per_sample["logp_gap_mean"].nanmean())
+    if stale is not None:
+        for d in range(stale):
+            n = float(per_sample.pop(f"gap_n_{d}").nansum())
+            total = float(per_sample.pop(f"gap_sum_{d}").nansum())
+            if n:
+                metrics[f"async/logp_gap_staleness_{d}"] = total / n
     return metrics, per_sample
+
+
+def _staleness(batch: SequenceBatch, version: int) -> int | None:
+    """1 + the largest staleness of any token when some token is stale, else None."""
+    versions = batch.token_fields.get("weight_version")
+    if versions is None:
+        return None
+    most = max((int((version - v).max()) for v in versions if v.numel()), default=0)
+    return most + 1 if most > 0 else None
+
+
+def _stats_with_staleness(mb, *, version: int, depth: int) -> dict[str, torch.Tensor]:
+    """:func:`phases.sample_stats` and, per staleness ``d < depth``, the sequence's summed
+    |trainer - engine| log-prob over its tokens sampled ``d`` versions ago, and their count."""
+    out = phases.sample_stats(mb)
+    gap = (mb.logp.detach() - mb.fields["rollout_logp"]).abs()
+    stale = version - mb.fields["weight_version"]
+    for d in range(depth):
+        at = mb.mask & (stale == d)
+        out[f"gap_sum_{d}"] = gap.masked_fill(~at, 0.0).sum(1)
+        out[f"gap_n_{d}"] = at.sum(1).float()
+    return out
 
 
 def plateaued(state: TrainerState, stage: StageConfig, accuracy: float | None) -> bool:

@@ -37,11 +37,12 @@ SPARSE_LENGTHS, SPARSE_PROMPTS = [21, 9], [20, 9]
 
 
 def _policy(hf_dir, tp=1, pp=1, cp=1, vpp=None, sp=False, distopt=False, tokens=40,
-            recompute=None):
+            recompute=None, packed=True):
     par = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp,
                          virtual_pipeline=vpp, sequence_parallel=sp,
                          use_distributed_optimizer=distopt, timeout_s=120)
     cfg = PolicyConfig(parallel=par, micro_batch_tokens=tokens, layer_spec="local",
+                       packed_sequences=packed,
                        recompute=recompute or RecomputeConfig(),
                        optim=OptimConfig(lr=LR, clip_grad=0.0))
     return MegatronPolicy.from_hf(str(hf_dir), cfg, init_distributed(par))
@@ -61,6 +62,8 @@ def run_layout(out, hf_dir, case, grads=True, sparse=False, **layout):
     policy = _policy(hf_dir, **layout)
     batch = make_batch(SPARSE_LENGTHS, SPARSE_PROMPTS) if sparse else make_batch(LENGTHS, PROMPTS)
     logps, ents = policy.compute_logprobs(batch, TEMPERATURE)
+    # this rank's micro-batch inputs: (packed, input shape) of each
+    shapes = [(mb.layout.packed, tuple(mb.input_ids.shape)) for mb in policy._micro_batches(batch)]
     # MLP forward calls in the training step: with recomputation some run again in backward
     calls = [0]
     hooks = [layer.mlp.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
@@ -71,6 +74,7 @@ def run_layout(out, hf_dir, case, grads=True, sparse=False, **layout):
     for h in hooks:
         h.remove()
     _save(out, case, {"logps": logps, "ents": ents, "metrics": metrics, "mlp_calls": calls[0],
+                      "shapes": shapes,
                       "per_seq": per_seq.values,
                       "grads": _export(policy, grads=True) if grads else None,
                       "weights": _export(policy)})
@@ -141,6 +145,7 @@ def cases(out: Path, hf_root: Path) -> dict:
     return {
         "cp1": lambda: run_layout(out, llama, "cp1"),
         "cp2": lambda: run_layout(out, llama, "cp2", cp=2),  # x DP 2
+        "padded_cp2": lambda: run_layout(out, llama, "padded_cp2", cp=2, packed=False),
         "cp4": lambda: run_layout(out, llama, "cp4", cp=4),
         "cp2_tp2": lambda: run_layout(out, llama, "cp2_tp2", cp=2, tp=2),
         "cp2_tp2_sp": lambda: run_layout(out, llama, "cp2_tp2_sp", cp=2, tp=2, sp=True),

@@ -67,7 +67,7 @@ def _hidden_states(policy) -> torch.Tensor:
 
     ids = torch.tensor(HIDDEN_IDS)
     pos = torch.arange(ids.shape[1]).expand_as(ids)
-    mb = MicroInputs(index=[0, 1], input_ids=ids, position_ids=pos, pos_s=None, pos_b=None,
+    mb = MicroInputs(index=[0, 1], input_ids=ids, position_ids=pos, pos_s=None, pos_b=None, row=None,
                      col=None, labels=None, mask=None, width=0, seq_len=ids.shape[1],
                      padding_mask=torch.tensor([[False] * 10, [False] * 5 + [True] * 5]))
     chunk = policy.model[0].module

@@ -29,10 +29,10 @@ PROMPTS = [4, 3, 9, 2, 1, 8, 5, 2]
 LR = 1e-3
 
 
-def _policy(hf_dir, tp=1, pp=1, vpp=None, sp=False, distopt=False, tokens=48):
+def _policy(hf_dir, tp=1, pp=1, vpp=None, sp=False, distopt=False, tokens=48, packed=True):
     par = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline=vpp,
                          sequence_parallel=sp, use_distributed_optimizer=distopt, timeout_s=120)
-    cfg = PolicyConfig(parallel=par, micro_batch_tokens=tokens,
+    cfg = PolicyConfig(parallel=par, micro_batch_tokens=tokens, packed_sequences=packed,
                        optim=OptimConfig(lr=LR, clip_grad=0.0))
     groups = init_distributed(par)
     return MegatronPolicy.from_hf(str(hf_dir), cfg, groups)
@@ -56,9 +56,12 @@ def run_layout(out, hf_dir, case, grads=True, sparse=False, **layout):
     policy = _policy(hf_dir, **layout)
     batch = make_batch(SPARSE_LENGTHS, SPARSE_PROMPTS) if sparse else make_batch(LENGTHS, PROMPTS)
     logps, ents = policy.compute_logprobs(batch, TEMPERATURE)
+    # this rank's micro-batch inputs: (packed, input shape) of each
+    shapes = [(mb.layout.packed, tuple(mb.input_ids.shape)) for mb in policy._micro_batches(batch)]
     per_seq = PerSequence(seq_means, ("logp", "ent"), len(batch))
     metrics = policy.train_step(batch, make_loss_fn(batch), TEMPERATURE, with_entropy=True, per_sequence=per_seq)
     result = {"logps": logps, "ents": ents, "metrics": metrics, "per_seq": per_seq.values,
+              "shapes": shapes,
               "grads": _export(policy, grads=True) if grads else None,
               "weights": _export(policy), "owned": _owned(policy)}
     _save(out, case, result)
@@ -222,6 +225,10 @@ def cases(out: Path, hf_root: Path) -> dict:
     return {
         "threads": lambda: run_threads(out),  # first: nothing else has started threads yet
         "tp1": lambda: run_layout(out, llama, "tp1"),
+        # the padded layout (every other case packs sequences: policy.packed_sequences)
+        "padded_tp1": lambda: run_layout(out, llama, "padded_tp1", packed=False),
+        "padded_tp2": lambda: run_layout(out, llama, "padded_tp2", tp=2, packed=False),
+        "padded_pp2": lambda: run_layout(out, llama, "padded_pp2", pp=2, packed=False),
         "tp2": lambda: run_layout(out, llama, "tp2", tp=2),
         "tp2_sp": lambda: run_layout(out, llama, "tp2_sp", tp=2, sp=True),
         "pp2": lambda: run_layout(out, llama, "pp2", pp=2),

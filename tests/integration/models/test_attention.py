@@ -110,13 +110,44 @@ def test_attention_scale_layer_scaling_and_single_query(pg):
             assert float((a - b).abs().max()) < 2e-6
 
 
+@pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2)])
+def test_packed_sequences_attend_within_each_sequence(pg, heads, groups):
+    """THD (packed sequences, ``cu_seqlens``): equal to Megatron's DotProductAttention over the whole
+    row with a block-diagonal causal mask, forward and gradients."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    ref, ours = _modules(_config(heads, groups), pg, AttnMaskType.causal)
+    bounds = [0, 5, 6, 13, 20, 26, 33]  # segments of 5, 1, 7, 7, 6, 7 tokens
+    t = bounds[-1]
+    q, k, v = (x[:, :1] for x in _inputs(t, heads, groups))  # [t, 1, h, d]
+    visible = torch.zeros(t, t, dtype=torch.bool)
+    for a, b in zip(bounds, bounds[1:]):
+        visible[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+    want = _run(ref, q, k, v, ~visible[None, None])
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu, max_seqlen_q=7,
+                             max_seqlen_kv=7)
+
+    def packed(q, k, v, _mask):  # Megatron's attention squeezes the batch dimension for THD
+        return ours(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=params)[:, None]
+
+    got = _run(packed, q, k, v, None)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), want, got):
+        assert a.shape == b.shape, name
+        assert float((a - b).abs().max()) < 2e-6, (name, float((a - b).abs().max()))
+
+
 def test_attention_refuses_what_it_does_not_do(pg):
     from megatron.core.transformer.enums import AttnMaskType
 
     _, ours = _modules(_config(4, 2), pg, AttnMaskType.causal)
+    from megatron.core.packed_seq_params import PackedSeqParams
+
     q, k, v = _inputs(SEQ, 4, 2)
-    with pytest.raises(ValueError, match="packed sequences"):
-        ours(q, k, v, None, packed_seq_params=object())
+    with pytest.raises(ValueError, match="packed sequences need qkv_format 'thd'"):
+        ours(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
     with pytest.raises(ValueError, match="softmax_type"):
         _modules(_config(4, 2, softmax_type="off-by-one"), pg, AttnMaskType.causal)
 

@@ -49,7 +49,7 @@ def results(tmp_path_factory, groups):
         logps, ents = policy.compute_logprobs(batch, TEMPERATURE)
         ids = torch.tensor(HIDDEN_IDS)
         pos = torch.arange(ids.shape[1]).expand_as(ids)
-        mb = MicroInputs(index=[0, 1], input_ids=ids, position_ids=pos, pos_s=None, pos_b=None,
+        mb = MicroInputs(index=[0, 1], input_ids=ids, position_ids=pos, pos_s=None, pos_b=None, row=None,
                          col=None, labels=None, mask=None, width=0, seq_len=ids.shape[1],
                          padding_mask=ids.new_zeros(ids.shape, dtype=torch.bool))
         chunk = policy.model[0].module

@@ -37,6 +37,7 @@ PROBES = {  # key: (changed value, given overrides)
     "policy.optim.lr_decay_style": ("cosine", ["policy.optim.lr_decay_steps=3"]),
     "policy.optim.lr_decay_steps": ("2", ["policy.optim.lr_decay_style=linear", "policy.optim.lr_decay_steps=3"]),
     "policy.micro_batch_tokens": ("30", []),
+    "policy.packed_sequences": ("false", []),
     "policy.params_dtype": ("bf16", []),
     "policy.seed": ("7", []),
     "policy.reference.path": ("{other}", ["algo.kl.enabled=true"]),
@@ -80,7 +81,6 @@ def _observe(cfg, model_dir, groups) -> dict:
     from megatron_rl.models import gpt
     from megatron_rl.models.forward import check_spec
     from megatron_rl.models.hf_config import read_hf_config
-    from megatron_rl.models.micro_batches import plan_micro_batches
     from megatron_rl.models.parallel import check_layout, rng_tracker_states
     from megatron_rl.models.policy import MegatronPolicy
     from megatron_rl.models.reference import ReferencePolicy
@@ -119,7 +119,8 @@ def _observe(cfg, model_dir, groups) -> dict:
         return {**out, "layer_spec": f"{type(exc).__name__}: {exc}"}
     local = type(p)(**{**{f: getattr(p, f) for f in ("optim", "micro_batch_tokens", "params_dtype",
                                                        "seed", "reference", "layer_spec",
-                                                       "recompute", "moe")}, "parallel": one_rank})
+                                                       "recompute", "moe", "packed_sequences")},
+                       "parallel": one_rank})
     seen = []
     real = megatron_optimizer.get_megatron_optimizer
     megatron_optimizer.get_megatron_optimizer = lambda config, *a, **k: seen.append(config) or real(config, *a, **k)
@@ -132,7 +133,8 @@ def _observe(cfg, model_dir, groups) -> dict:
                         oc.weight_decay, oc.adam_beta1, oc.adam_beta2, oc.adam_eps, oc.clip_grad,
                         oc.params_dtype, policy.model[0].ddp_config.use_distributed_optimizer)
     batch = make_batch(LENGTHS, PROMPTS, seed=3)
-    out["micro_batches"] = len(plan_micro_batches(batch, groups, local.micro_batch_tokens))
+    # the policy's own micro-batches: how many, and laid out how (packed or padded, shape)
+    out["micro_batches"] = [(mb.layout.packed, tuple(mb.input_ids.shape)) for mb in policy._micro_batches(batch)]
     steps = [policy.train_step(batch, make_loss_fn(batch), 1.0, with_entropy=True) for _ in range(3)]
     out["steps"] = [(m["lr"], round(m["grad_norm"], 6), round(m["loss"], 6)) for m in steps]
     out["weights"] = round(float(sum(t.double().sum() for _, t in policy.named_parameters())), 6)

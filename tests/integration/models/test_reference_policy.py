@@ -141,8 +141,55 @@ def test_kl_loss_sees_the_reference_against_float64(dirs, groups):
     k3 = [torch.exp(b - a) - 1 - (b - a) for a, b in zip(lp_a, lp_b)]
     token_mean = float(sum(k.sum() for k in k3)) / sum(batch.response_lens)
     assert metrics["actor/kl"] == pytest.approx(token_mean, rel=1e-4)
+    # the difference of two fp32 losses of size ~0.1-1: its rounding error is absolute (~1e-8)
     assert metrics["actor/loss"] - metrics["actor/pg_loss"] == pytest.approx(coef * token_mean,
-                                                                             rel=1e-4)
+                                                                             rel=1e-4, abs=3e-8)
+
+
+def test_async_one_step_trains_stale_samples_without_a_recompute(dirs, groups):
+    """One optimizer step (one pass, one mini-batch) on samples of older weights with TIS: the log-prob
+    phase recomputes nothing, the update trains exactly as with recomputed old log-probs, and the
+    train-inference gaps (overall and per staleness) come from the training forward, equal to float64."""
+    from megatron_rl.algo import AlgoConfig
+    from megatron_rl.models.policy import MegatronPolicy
+    from megatron_rl.trainer.grpo import add_logprobs, update_policy
+
+    algo = AlgoConfig.from_dict({"mismatch": {"mode": "tis_token", "tis_cap": 2.0}})
+    lp, _, _, _ = hf_reference(dirs["a"], _rl_batch(), T, grads=False)
+    gen = torch.Generator().manual_seed(4)
+
+    def batch():
+        b = _rl_batch()
+        b.seq_fields["advantages"] = torch.tensor([0.5, -0.2, -0.3, 0.1, 0.0, -0.1])
+        b.token_fields["rollout_logp"] = [x.float() + 0.3 * torch.randn(x.shape, generator=gen)
+                                          for x in lp]
+        # sequences 0-3 sampled one version before the trainer's (1), 4-5 by its own weights
+        b.token_fields["weight_version"] = [torch.full((n,), 0 if i < 4 else 1, dtype=torch.long)
+                                            for i, n in enumerate(b.response_lens)]
+        return b
+
+    skip, recompute = batch(), batch()
+    recompute.token_fields["rollout_logp"] = skip.token_fields["rollout_logp"]
+    a = MegatronPolicy.from_hf(str(dirs["a"]), _cfg(), groups)
+    assert add_logprobs(a, None, skip, algo, T, version=1) == {}
+    assert "old_logp" not in skip.token_fields
+    got, _ = update_policy(a, skip, algo, T, alpha=0.0, max_response_len=20, seed=0, version=1)
+    b = MegatronPolicy.from_hf(str(dirs["a"]), _cfg(), groups)
+    recompute.token_fields["old_logp"] = b.compute_logprobs(recompute, T, with_entropy=False)[0]
+    want, _ = update_policy(b, recompute, algo, T, alpha=0.0, max_response_len=20, seed=0, version=1)
+    for key in ("actor/loss", "actor/pg_loss", "actor/tis_weight_mean", "grad_norm"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    assert got["actor/first_step_ratio_min"] == got["actor/first_step_ratio_max"] == 1.0
+    weights = dict(b.named_parameters())
+    assert max(float((p - weights[n]).abs().max()) for n, p in a.named_parameters()) < 2e-5
+    # the gaps, against float64 transformers
+    rl = skip.token_fields["rollout_logp"]
+    gap = [(x.double() - r.double()).abs() for x, r in zip(lp, rl)]
+    assert got["rollout/train_infer_logp_gap"] == pytest.approx(
+        sum(float(g.mean()) for g in gap) / len(gap), abs=2e-5)
+    for d, rows in ((1, range(4)), (0, range(4, 6))):
+        tokens = torch.cat([gap[i] for i in rows])
+        assert got[f"async/logp_gap_staleness_{d}"] == pytest.approx(float(tokens.mean()), abs=2e-5)
 
 
 def test_distill_teacher_scores_at_the_sampling_temperature_against_float64(dirs, groups):

@@ -432,6 +432,23 @@ def observe_judge(cfg: RunConfig, tmp: Path):
     return scores, sorted(set(_JudgeServer.seen)), _JudgeServer.peak, m.get("reward/judge_calls")
 
 
+# ------------------------------------------------------------------------------- CPU placement
+def observe_cpu_placement(cfg: RunConfig, tmp: Path):
+    """The entry point's placement (``cli.place_cpus``) in a child process: its CPUs and the helpers'."""
+    import os
+    import subprocess
+
+    code = ("import json, os, sys; from megatron_rl.cli import place_cpus; "
+            "from megatron_rl.trainer.schema import RunConfig; "
+            "cfg = RunConfig.from_dict(json.loads(sys.argv[1])); "
+            "cfg.trainer.cpu_cores and place_cpus(cfg); "
+            "print(json.dumps([sorted(os.sched_getaffinity(0)), os.environ.get('MRL_HELPER_CPUS')]))")
+    env = {k: v for k, v in os.environ.items() if k != "MRL_HELPER_CPUS"}
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(cfg.to_dict())], env=env,
+                          capture_output=True, text=True, timeout=120)
+    return proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 else proc.stderr[-300:]
+
+
 def observe_tool_pool(cfg: RunConfig, tmp: Path):
     """What a sandboxed tool call asks of its process pool (at the pool's boundary: the program runs
     in this process's sandbox) and what the model reads back."""
@@ -630,6 +647,7 @@ PROBES: dict[str, Probe] = {
         "trainer.save_every=1", "stages=[{name: s1, max_response_len: 5, max_steps: 5}]"]),
     "trainer.init_from": Probe("{base_final}", observe_init_from),
     "trainer.max_steps_without_update": Probe("1", R, ONE),
+    "trainer.cpu_cores": Probe("[0]", observe_cpu_placement),
     "sft.enabled": Probe("true", R),
     "sft.max_steps": Probe("2", R, ["sft.enabled=true"]),
     "sft.batch_size": Probe("4", R, ["sft.enabled=true"]),

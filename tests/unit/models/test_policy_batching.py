@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from megatron_rl.models.batch import (SequenceBatch, pack_micro_batches, pad_token_fields,
-                                      shard_for_dp)
+from megatron_rl.models.batch import SequenceBatch, pad_token_fields
+from megatron_rl.models.packing import pack_micro_batches, shard_for_dp
 
 
 def _lengths(seed: int, n: int) -> list[int]:

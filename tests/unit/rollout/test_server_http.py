@@ -95,3 +95,90 @@ def test_server_handle_drops_idle_connections_before_vllms_keepalive_closes_them
     assert KEEPALIVE_S < server_keepalive
     engine = _handle("http://127.0.0.1:9")
     assert engine._http._transport._pool._keepalive_expiry == KEEPALIVE_S
+
+
+class Generates:
+    """An HTTP server that answers the generate route like vLLM (n choices with token ids, log-probs
+    and weight-version spans), 400 / 500 on request, or not at all (a hang)."""
+
+    def __init__(self, status: int = 200, hang: bool = False):
+        import json
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        owner = self
+        self.bodies: list[dict] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                owner.bodies.append({"path": self.path, **body})
+                if hang:
+                    threading.Event().wait(10)
+                    return
+                n = body.get("sampling_params", {}).get("n", 1)
+                choices = [{"index": i, "token_ids": [5, 6 + i], "text": f"t{i}", "finish_reason": "length",
+                            "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -1.0 - i}]},
+                            "weight_versions": [{"version": "3", "start": 0, "end": 2}]} for i in range(n)]
+                data = json.dumps({"choices": choices} if status == 200 else {"error": "no"}).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.http.daemon_threads = True
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+
+    def close(self):
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def test_generation_client_parses_answers_and_names_failures():
+    """The generation client (aiohttp): samples in order with their log-probs and weight version;
+    a 4xx answer is RequestRejected, a 5xx EngineError, a refused connection EngineDied, a hang
+    EngineTimeout within rollout.timeout_s; aborts go to /abort_requests with vLLM's request names."""
+    import asyncio
+
+    from megatron_rl.rollout.base import EngineError, EngineTimeout, SamplingSpec
+    from megatron_rl.rollout.server import GENERATE, RequestRejected
+
+    spec = SamplingSpec(n=3, temperature=1.0, max_tokens=2, seed=7)
+    ok = Generates()
+    try:
+        engine = _handle(ok.url)
+        groups = engine.generate([[1, 2], [3]], spec)
+        assert [[c.token_ids for c in g] for g in groups] == [[[5, 6], [5, 7], [5, 8]]] * 2
+        assert groups[0][2].logprobs == [-0.5, -3.0] and groups[0][0].weight_version == 3
+        assert [b["token_ids"] for b in ok.bodies] == [[1, 2], [3]] and ok.bodies[0]["path"] == GENERATE
+        assert [b["sampling_params"]["seed"] for b in ok.bodies] == [7, 8]  # prompt i: seed + i
+        asyncio.run(engine.abort(["r1"]))
+        assert ok.bodies[-1] == {"path": "/abort_requests", "request_ids": ["generate-tokens-r1"]}
+    finally:
+        ok.close()
+    for status, kind in ((400, RequestRejected), (500, EngineError)):
+        bad = Generates(status=status)
+        try:
+            with pytest.raises(kind, match=f"engine e0 .*generation request -> HTTP {status}"):
+                _handle(bad.url).generate([[1]], spec)
+        finally:
+            bad.close()
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        refused = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(EngineDied, match="generation request failed"):
+        _handle(refused).generate([[1]], spec)
+    hang = Generates(hang=True)
+    try:
+        engine = VLLMServer(hang.url, RolloutConfig(engine="vllm_server", timeout_s=0.5), name="e0", model="m")
+        with pytest.raises(EngineTimeout, match="within rollout.timeout_s=0.5s"):
+            engine.generate([[1]], spec)
+    finally:
+        hang.close()
