@@ -79,9 +79,8 @@ def _hidden_states(policy) -> torch.Tensor:
 
 def _micro_batches(policy, batch) -> list[list[int]]:
     """The step's micro-batches (sequence indices), every data-parallel replica's, in rank order."""
-    from megatron_rl.models.micro_batches import plan_micro_batches
 
-    mine = [mb.index for mb in plan_micro_batches(batch, policy.groups, policy.cfg.micro_batch_tokens)
+    mine = [mb.index for mb in policy._micro_batches(batch)
             if not mb.dummy]
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, (policy.groups.dp_rank, mine))

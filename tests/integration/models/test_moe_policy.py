@@ -32,7 +32,7 @@ def results(tmp_path_factory, groups):
 
     from megatron_rl.models import OptimConfig, ParallelConfig, PolicyConfig
     from megatron_rl.models.config import MoEConfig
-    from megatron_rl.models.micro_batches import MicroInputs, plan_micro_batches
+    from megatron_rl.models.micro_batches import MicroInputs
     from megatron_rl.models.moe_signals import padding_mask
     from megatron_rl.models.policy import MegatronPolicy
 
@@ -57,7 +57,7 @@ def results(tmp_path_factory, groups):
             chunk.eval()
             hidden = chunk(ids, pos, None, padding_mask=padding_mask(mb, chunk, groups))
             chunk.train()
-        micro = [m.index for m in plan_micro_batches(batch, groups, cfg.micro_batch_tokens)]
+        micro = [m.index for m in policy._micro_batches(batch)]
         metrics = policy.train_step(batch, make_loss_fn(batch), TEMPERATURE, with_entropy=True)
         grads = {n: t.clone() for n, t in policy.export_hf_grads()}
         out[arch] = {"hf": hf, "original": load_file(str(hf / "model.safetensors")),
