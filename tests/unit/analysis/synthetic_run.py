@@ -146,6 +146,10 @@ def make_run(root: Path, *, prompts: int = 200, batch: int = 40, group: int = 8,
                 m[f"moe/load_min/layer_{i}"] = max(0.0, 0.125 - spread / 2)
             if moe_layers:
                 m["moe/aux_loss"], m["moe/z_loss"] = 1.0 + 0.5 / grpo, 2.0 + 1.0 / grpo
+                # routing replay's diagnostics (algo.router_agreement): agreement rising, replay's gap below
+                m["moe/router_agreement"] = 0.9 + 0.05 * grpo / (grpo + 10)
+                m["moe/train_infer_logp_gap_free"] = 0.01 / (1 + 0.1 * grpo)
+                m["moe/train_infer_logp_gap_replay"] = 0.004 / (1 + 0.1 * grpo)
             tracker.log(m, step=global_step, stage=stage)
     tracker.close()
     (root / "summary.json").write_text(json.dumps({"per_stage": {"start": {"eval/accuracy": 0.25},
