@@ -211,7 +211,9 @@ class PolicyConfig(ConfigBase):
     micro_batch_tokens: int = ranged(8192, ge=1)
     # Packed sequences: a micro-batch's sequences concatenated in one row without padding,
     # attention within each (THD: Transformer Engine's kernels on GPUs, ours on the CPU); false:
-    # one right-padded row per sequence. Same log-probs, losses and gradients either way.
+    # one right-padded row per sequence. Same log-probs, losses and gradients either way. Dense
+    # models: a Mixture-of-Experts policy keeps the padded layout (its routers' padding mask and
+    # routing replay's router rows are laid out per padded row).
     packed_sequences: bool = True
     # Megatron layer spec: te (Transformer Engine: fused norm + linear, fused/flash attention,
     # context parallelism on GPUs; needs CUDA and transformer-engine), local (Megatron-Core's own
