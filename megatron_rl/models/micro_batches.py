@@ -57,12 +57,11 @@ def make_micro_inputs(batch: SequenceBatch, index: list[int], layout: TokenLayou
     seqs = [batch.sequences[i] for i in index]
     prompts = torch.tensor([batch.prompt_lens[i] for i in index], dtype=torch.long)
     ids, positions = layout.inputs(seqs)
+    k, p = layout.tokens()
     padding = torch.ones(ids.shape, dtype=torch.bool)  # True where no sequence's token sits
-    k_all, p_all = layout.tokens()
-    s_all, b_all = layout.place(k_all, p_all)
+    s_all, b_all = layout.place(k, p)
     padding[b_all, s_all] = False
     # every response token: position t of its sequence predicts token t + 1
-    k, p = layout.tokens()
     response = p >= prompts[k]
     row, p_resp = k[response], p[response]
     s_tok, b_tok = layout.place(row, p_resp)
