@@ -344,7 +344,7 @@ def main() -> None:
             if r is not None:
                 runs.append(r)
                 pair[mode] = r
-        if len(pair) == 2:
+        if "sync" in pair and "async" in pair:  # inproc beside them does not make a pair
             gaps.append(pair["async"]["accuracy"] - pair["sync"]["accuracy"])
             mean, half = paired_interval(gaps)
             print(f"  after {len(gaps)} pairs: mean paired gap {100 * mean:+.2f} points, 95 % interval "
