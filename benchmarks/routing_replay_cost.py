@@ -55,7 +55,7 @@ def _demo(args, work: Path):
 
     from megatron_rl.data.dataset import load_prompts
     from megatron_rl.demo.inputs import prepare_inputs, tiny_model_dir
-    from megatron_rl.trainer.schema import load_run_config, max_sequence_len
+    from megatron_rl.trainer.schema import load_run_config
 
     cfg = load_run_config(args.config, [f"trainer.run_dir={work}"])
     if cfg.model.tiny is None or not cfg.model.tiny.is_moe:
