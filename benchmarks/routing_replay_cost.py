@@ -123,7 +123,8 @@ def _stage(plain, routed, policy, prompts, group, max_tokens, cfg, args) -> dict
     and, with a policy, its passes with and without replay."""
     import torch
 
-    from megatron_rl.models.batch import SequenceBatch, pack_micro_batches
+    from megatron_rl.models.batch import SequenceBatch
+    from megatron_rl.models.packing import pack_micro_batches
     from megatron_rl.models.routing_replay import micro_batch_routes
     from megatron_rl.rollout import SamplingSpec
     from megatron_rl.trainer import routing_replay
