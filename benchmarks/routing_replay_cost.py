@@ -204,7 +204,11 @@ def _policy(model: str, cfg):
 
     apply_compat()
     groups = init_distributed(ParallelConfig())
-    return MegatronPolicy.from_hf(model, dataclasses.replace(cfg.policy, parallel=ParallelConfig()), groups)
+    # lr 0: the timed updates (the same arithmetic) leave the weights as the engines hold them, so the
+    # router agreement and the log-prob gaps compare the two on equal weights
+    optim = dataclasses.replace(cfg.policy.optim, lr=0.0, min_lr=0.0)
+    return MegatronPolicy.from_hf(model, dataclasses.replace(cfg.policy, parallel=ParallelConfig(), optim=optim),
+                                  groups)
 
 
 def _policy_passes(policy, batch, args) -> dict:
