@@ -1,5 +1,6 @@
-"""CPU placement (``trainer.cpu_cores``): the trainer computes on its own cores; the vLLM servers it
-starts and its helpers run on the others.
+"""CPU placement (``trainer.cpu_cores``): the trainer computes on its own cores; the engines of the
+vLLM servers it starts and its reward workers compute on the others; the servers' front ends and the
+fleet client's thread run on any of them.
 
 On a small CPU machine (the 2-core demo) one-step-off GRPO overlaps generation with training only if
 the two do not share a core: the trainer's process is pinned to ``trainer.cpu_cores``
