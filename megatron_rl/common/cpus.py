@@ -19,9 +19,11 @@ started later see them too; every CPU it was given in ``MRL_ALL_CPUS``). Who rea
   trainer's core.
 
 Measured on the 2-core demo (one-step-off, generation-bound: the engine's wave takes longer than
-the trainer's update): a server pinned whole to the engine's core generated a wave in 1.9 s
-where the in-process engine takes 1.4 s; the front end's share of that core is what the server
-adds (benchmarks/RESULTS.md, issue 28).
+the trainer's update): a server pinned whole to the engine's core generated a wave in 1.9 s where
+the in-process engine takes 1.4 s, and one-step-off was no faster than the in-process loop (1.02x);
+with the front end free to use the trainer's idle core (and no detokenization on the server,
+``rollout/server.py``) the trainer's wait for the wave halved and one-step-off took 0.78x the
+in-process loop's step (benchmarks/RESULTS.md, issue 28).
 
 An in-process engine (``rollout.engine=vllm``) lives in the trainer's process and computes on its
 cores (its OpenMP binding follows them). Without ``trainer.cpu_cores`` nothing is pinned.
