@@ -85,6 +85,9 @@ def main() -> None:
     p.add_argument("--teacher-stop", type=float, default=0.95)
     p.add_argument("--coef", type=float, default=1.0)
     p.add_argument("--modes", nargs="+", choices=("add", "replace"), default=["add", "replace"])
+    p.add_argument("--distill-override", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="config overrides for the distillation runs only (e.g. policy.optim.clip_grad=10); "
+                        "they name the runs, so plain GRPO runs are shared")
     p.add_argument("--eval-every", type=int, default=0,
                    help="also score the held-out set every this many steps (0: only at the end)")
     p.add_argument("--work", type=Path, default=REPO / "runs" / "bench_distill")
@@ -102,8 +105,9 @@ def main() -> None:
     kinds = ["plain", *args.modes]
     for seed in args.seeds:
         for kind in kinds:
+            tag = "".join(f"_{o.replace('=', '')}" for o in args.distill_override)
             run = args.work / (f"plain_seed{seed}" if kind == "plain" else
-                               f"distill_{teacher_name}_coef{args.coef:g}_{kind}_seed{seed}")
+                               f"distill_{teacher_name}_coef{args.coef:g}_{kind}{tag}_seed{seed}")
             if not (run / STAGE / "final" / "trainer_state.json").exists():
                 over = ["sft.enabled=false", f"trainer.init_from={student / 'sft' / 'final'}", f"trainer.seed={seed}",
                         f"model.path={student / 'base_model'}", "synthetic.enabled=false",
@@ -114,6 +118,7 @@ def main() -> None:
                              f"algo.distill.teacher={teacher_hf}"]
                     if kind == "replace":
                         over.append("algo.filter_zero_variance_groups=false")
+                    over += args.distill_override
                 s = train(run, over)
                 print(f"  {kind} seed {seed}: {s:.0f} s (load {loadavg()})", flush=True)
             rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -129,6 +134,7 @@ def main() -> None:
                   f"step {runs[kind, seed]['reverse_kl_last']}", flush=True)
     out = {"accuracy_student_start": acc_student, "accuracy_teacher": acc_teacher,
            "teacher_stop": args.teacher_stop, "steps": args.steps, "seeds": args.seeds, "coef": args.coef,
+           "distill_override": args.distill_override,
            "eval_n": args.eval_size}
     for kind in kinds:
         out[f"accuracy_{kind}"] = statistics.mean(runs[kind, s]["accuracy"] for s in args.seeds)
