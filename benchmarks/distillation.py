@@ -92,6 +92,10 @@ def main() -> None:
                    help="also score the held-out set every this many steps (0: only at the end)")
     p.add_argument("--work", type=Path, default=REPO / "runs" / "bench_distill")
     args = p.parse_args()
+    from megatron_rl.trainer.schema import load_run_config
+
+    # the distillation runs' overrides, checked now: a bad key is one line here, not a failed run after the SFT
+    load_run_config(CONFIG, list(args.distill_override)).stage(STAGE)
     print(f"load average before: {loadavg()}", flush=True)
     student = sft_run(args.work, "student", args.eval_size, [])
     teacher_name = "teacher" if args.teacher_stop == 0.7 else f"teacher_stop{args.teacher_stop:g}"
