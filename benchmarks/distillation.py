@@ -20,6 +20,8 @@ last line is one JSON object: ``{"accuracy_student_start", "accuracy_teacher", "
 
 ``--eval-every N`` also scores the held-out set every N steps of each run (``accuracy_<kind>_step<N>``,
 ``paired_gain_<kind>_step<N>_points``), so one longer run gives the shorter horizons too.
+``--distill-override KEY=VALUE ...`` sets config keys for the distillation runs only (checked before any run;
+they name the run directories, so the plain GRPO runs are shared), e.g. ``policy.optim.clip_grad=10``.
 
 Finished runs are kept in ``--work`` and reused. The box is shared: the load average is printed.
 """
