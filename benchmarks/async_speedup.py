@@ -11,7 +11,8 @@ From the demo's SFT cold start (made once, reused from ``--work``), the demo's f
 
 for seed pairs 1, 2, ... (data order and sampling seeds; same SFT checkpoint, same data and held-out
 set) until the 95 % interval of the mean paired gap (async - sync held-out accuracy, Student t over
-the pairs) is narrower than ``--ci-points`` (2 points) with at least ``--min-pairs`` pairs, or
+the pairs; a seed without a ``sync`` run pairs with its ``inproc`` run, the same synchronous loop on
+the same samples: ``--modes inproc async`` makes the cheaper pairs) is narrower than ``--ci-points`` (2 points) with at least ``--min-pairs`` pairs, or
 ``--max-pairs`` / the budget (``--budget-s``) ends; every mode with the same objective (``--algo``,
 default TIS: stale samples need it, and it costs the synchronous run an old-log-prob pass when it
 takes several optimizer steps; e.g. ``algo.policy_loss=decoupled_ppo`` for AReaL's decoupled
@@ -287,6 +288,16 @@ def versus_inproc(runs: list[dict], seeds: set[int]) -> dict:
     return out
 
 
+def reference(by: dict, seed: int) -> dict:
+    """The synchronous run a seed's one-step-off run is paired with: the server's synchronous loop
+    (``sync``) where it was made, else the in-process loop (``inproc``). Both are max_staleness=0
+    with the same seeds, data and objective, so they train on the same samples (seed 1 of the
+    session-9 runs: the same final accuracy, 0.3675, and last-20 reward in both); pairing with the
+    in-process loop spares the slower server run when a seed already has it for the wall-time
+    comparison. The summary prints both where a seed has both."""
+    return by.get(("sync", seed)) or by["inproc", seed]
+
+
 def main() -> None:
     from megatron_rl.common.cli_args import ArgumentParser
     from megatron_rl.trainer.schema import load_run_config
@@ -344,21 +355,26 @@ def main() -> None:
             if r is not None:
                 runs.append(r)
                 pair[mode] = r
-        if "sync" in pair and "async" in pair:  # inproc beside them does not make a pair
-            gaps.append(pair["async"]["accuracy"] - pair["sync"]["accuracy"])
+        ref = pair.get("sync") or pair.get("inproc")  # the synchronous run of the seed (see reference())
+        if "async" in pair and ref is not None:
+            gaps.append(pair["async"]["accuracy"] - ref["accuracy"])
             mean, half = paired_interval(gaps)
             print(f"  after {len(gaps)} pairs: mean paired gap {100 * mean:+.2f} points, 95 % interval "
                   f"+-{100 * half:.2f}", flush=True)
             if len(gaps) >= args.min_pairs and 100 * half < args.ci_points:
                 break
-    # The summary pairs the two modes seed by seed: only seeds with both runs finished count.
-    complete = {r["seed"] for r in runs if r["mode"] == "sync"} & {r["seed"] for r in runs if r["mode"] == "async"}
-    inproc_seeds = {r["seed"] for r in runs if r["mode"] == "inproc"} & {r["seed"] for r in runs if r["mode"] == "async"}
-    if not complete and not inproc_seeds:
+    # The summary pairs one-step-off with the synchronous loop seed by seed: only seeds with an async
+    # run and a synchronous one (on the server, or the in-process loop: see reference()) count.
+    modes_of = {}
+    for r in runs:
+        modes_of.setdefault(r["seed"], set()).add(r["mode"])
+    complete = {sd for sd, m in modes_of.items() if "async" in m and m & {"sync", "inproc"}}
+    inproc_seeds = {sd for sd, m in modes_of.items() if {"async", "inproc"} <= m}
+    if not complete:
         print(json.dumps({"accuracy_sft": sft_acc, "runs": [(r["mode"], r["seed"], r["accuracy"]) for r in runs],
                           "load": loadavg()}))
         return
-    runs = [r for r in runs if r["seed"] in complete | inproc_seeds]
+    runs = [r for r in runs if r["seed"] in complete]
     print(f"load average after: {loadavg()}")
     print("\nThe final evaluation vs the final weights (transformers' greedy answers of final/hf):")
     for r in runs:
@@ -376,20 +392,19 @@ def main() -> None:
               f"{s['reward']:.2f} | {s['logprob']:.2f} | {s['update']:.2f} | {s['sync']:.2f} | {s['other']:.2f} | "
               f"{r['trainer_wait_s']:.2f} | {r['accuracy']:.3f} | {r['accuracy_hf']:.3f} | {r['accuracy_last3']:.3f} | "
               f"{r['reward_last']:.3f} | {r['entropy_last']:.3f} | {r['load']} |")
-    if not complete:  # no server-side synchronous runs: the in-process loop is the comparison
-        print(json.dumps({"accuracy_sft": sft_acc, **versus_inproc(runs, inproc_seeds), "steps": args.steps,
-                          "algo": args.algo, "load": loadavg()}))
-        return
-    every, runs = runs, [r for r in runs if r["seed"] in complete]
-    keys = ("wall_s", "accuracy", "accuracy_last3", "reward_last")
-    med = {m: {k: statistics.median(r[k] for r in runs if r["mode"] == m) for k in keys} for m in ("sync", "async")}
+    every = runs
     by = {(r["mode"], r["seed"]): r for r in runs}
-    both = [sd for sd in seeds if ("async", sd) in by and ("sync", sd) in by]
-    paired = [by["async", sd]["accuracy"] - by["sync", sd]["accuracy"] for sd in both]
-    paired_last3 = [by["async", sd]["accuracy_last3"] - by["sync", sd]["accuracy_last3"] for sd in both]
+    both = [sd for sd in seeds if sd in complete]
+    ref = {sd: reference(by, sd) for sd in both}
+    servers = [sd for sd in both if ("sync", sd) in by]  # seeds with a synchronous run on the server
+    keys = ("accuracy", "accuracy_last3", "reward_last")
+    med = {"sync": {k: statistics.median(ref[sd][k] for sd in both) for k in keys},
+           "async": {k: statistics.median(by["async", sd][k] for sd in both) for k in keys}}
+    paired = [by["async", sd]["accuracy"] - ref[sd]["accuracy"] for sd in both]
+    paired_last3 = [by["async", sd]["accuracy_last3"] - ref[sd]["accuracy_last3"] for sd in both]
     gap_mean, gap_half = paired_interval(paired)
     last3_mean, last3_half = paired_interval(paired_last3)
-    sync_acc = [r["accuracy"] for r in runs if r["mode"] == "sync"]
+    sync_acc = [ref[sd]["accuracy"] for sd in both]
     # The noise floor: how far two synchronous runs (same SFT weights, same held-out set, another
     # seed) land apart; an async-sync gap inside it cannot be told from seed noise.
     sync_spread = max(sync_acc) - min(sync_acc)
@@ -397,17 +412,26 @@ def main() -> None:
     # The largest disagreement between the run's evaluation (the engine) and transformers' greedy
     # decoding of the final weights the trainer wrote: ~0 when the evaluation scored those weights.
     hf_gap = max(abs(r["accuracy"] - r["accuracy_hf"]) for r in runs)
-    # The floor of one-step-off from the synchronous split: the slower side, plus the sync itself.
+    # The two synchronous loops train on the same samples: where a seed has both, how far apart.
+    twins = [abs(by["sync", sd]["accuracy"] - by["inproc", sd]["accuracy"]) for sd in both
+             if ("sync", sd) in by and ("inproc", sd) in by]
+    # Wall times against the server's synchronous loop, over the seeds that have one; the floor of
+    # one-step-off from the synchronous split: the slower side, plus the sync itself.
+    sync_runs = [by["sync", sd] for sd in servers] or [ref[sd] for sd in both]
     floors = []
-    for r in (r for r in runs if r["mode"] == "sync"):
+    for r in sync_runs:
         s = r["split"]
         floors.append((max(s["gen"] + s["reward"], s["logprob"] + s["update"]) + s["sync"] + s["other"]) / s["step"])
     # Without TIS a synchronous run would skip its old-log-prob pass (the async run never can: its
     # samples are stale): the ratio against that loop, estimated from the sync runs' own split.
-    bare = statistics.median(r["wall_s"] - r["split"]["logprob"] * r["steps"] for r in runs if r["mode"] == "sync")
+    bare = statistics.median(r["wall_s"] - r["split"]["logprob"] * r["steps"] for r in sync_runs)
+    wall_sync = statistics.median(r["wall_s"] for r in sync_runs)
+    wall_async = statistics.median(by["async", sd]["wall_s"] for sd in (servers or both))
     n = int(runs[0]["eval_n"])
-    out = {"wall_ratio": med["async"]["wall_s"] / med["sync"]["wall_s"],
-           "wall_ratio_vs_sync_without_logprob_est": med["async"]["wall_s"] / bare,
+    out = {"wall_ratio": wall_async / wall_sync if servers else None,
+           "wall_ratio_vs_sync_without_logprob_est": wall_async / bare if servers else None,
+           "sync_reference": {sd: ref[sd]["mode"] for sd in both},
+           "sync_vs_inproc_max_gap_points": 100 * max(twins) if twins else None,
            "accuracy_sync": med["sync"]["accuracy"], "accuracy_async": med["async"]["accuracy"],
            "accuracy_gap_points": 100 * (med["async"]["accuracy"] - med["sync"]["accuracy"]),
            "paired_gap_points_median": 100 * statistics.median(paired) if paired else None,
@@ -426,8 +450,8 @@ def main() -> None:
                                               for r in runs),
            "accuracy_sft": sft_acc, "reward_last20_sync": med["sync"]["reward_last"],
            "reward_last20_async": med["async"]["reward_last"],
-           "floor_ratio": statistics.median(floors), "wall_sync_s": med["sync"]["wall_s"],
-           "wall_async_s": med["async"]["wall_s"], "steps": args.steps,
+           "floor_ratio": statistics.median(floors), "wall_sync_s": wall_sync if servers else None,
+           "wall_async_s": wall_async, "steps": args.steps,
            "seeds": sorted({r["seed"] for r in runs}), "algo": args.algo, "load": loadavg(),
            **versus_inproc(every, inproc_seeds)}
     print(f"paired gap async - sync over {len(paired)} pairs: final evaluation {out['paired_gap_mean_points']:+.2f} "
@@ -435,9 +459,13 @@ def main() -> None:
           f"{out['paired_gap_last3_mean_points']:+.2f} +- {out['paired_gap_last3_ci95_points']:.2f}; "
           f"{'settled' if out['settled'] else 'NOT settled'} (needs >= {args.min_pairs} pairs and an "
           f"interval narrower than +-{args.ci_points} points); objective {objective['tag']}: {args.algo}")
-    print(f"\nasync / sync wall time: {out['wall_ratio']:.3f} (one-step-off floor from the sync split: "
-          f"{out['floor_ratio']:.3f}; against a sync loop without the old-log-prob pass, estimated: "
-          f"{out['wall_ratio_vs_sync_without_logprob_est']:.3f})")
+    if servers:
+        print(f"\nasync / sync wall time: {out['wall_ratio']:.3f} (one-step-off floor from the sync split: "
+              f"{out['floor_ratio']:.3f}; against a sync loop without the old-log-prob pass, estimated: "
+              f"{out['wall_ratio_vs_sync_without_logprob_est']:.3f})")
+    if twins:
+        print(f"the two synchronous loops (server, in-process) on the same seeds: final accuracies at most "
+              f"{100 * max(twins):.2f} points apart over {len(twins)} seeds")
     print(f"held-out accuracy ({n} problems, binomial SE {out['eval_se_points']:.1f} points), medians: sync "
           f"{out['accuracy_sync']:.3f}, async {out['accuracy_async']:.3f} ({out['accuracy_gap_points']:+.1f} points); "
           f"per seed async - sync {out['paired_gap_points']} points; sync runs across seeds span "

@@ -16,7 +16,12 @@ per run the held-out accuracy after the stage and the last step's reverse KL to 
 last line is one JSON object: ``{"accuracy_student_start", "accuracy_teacher", "accuracy_plain",
 "accuracy_add", "paired_gain_add_points", "accuracy_replace", ...}`` (means over seeds).
 
-    python benchmarks/distillation.py [--steps 30] [--seeds 1 2] [--work runs/bench_distill]
+    python benchmarks/distillation.py [--steps 30] [--seeds 1 2] [--eval-every 0] [--work runs/bench_distill]
+
+``--eval-every N`` also scores the held-out set every N steps of each run (``accuracy_<kind>_step<N>``,
+``paired_gain_<kind>_step<N>_points``), so one longer run gives the shorter horizons too.
+``--distill-override KEY=VALUE ...`` sets config keys for the distillation runs only (checked before any run;
+they name the run directories, so the plain GRPO runs are shared), e.g. ``policy.optim.clip_grad=10``.
 
 Finished runs are kept in ``--work`` and reused. The box is shared: the load average is printed.
 """
@@ -35,6 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "demo_cpu.yaml"
 STAGE = "stage1_12"
+sys.path.insert(0, str(REPO))  # run as `python benchmarks/distillation.py`: the project's argument parser
 
 
 def loadavg() -> str:
@@ -81,8 +87,17 @@ def main() -> None:
     p.add_argument("--teacher-stop", type=float, default=0.95)
     p.add_argument("--coef", type=float, default=1.0)
     p.add_argument("--modes", nargs="+", choices=("add", "replace"), default=["add", "replace"])
+    p.add_argument("--distill-override", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="config overrides for the distillation runs only (e.g. policy.optim.clip_grad=10); "
+                        "they name the runs, so plain GRPO runs are shared")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="also score the held-out set every this many steps (0: only at the end)")
     p.add_argument("--work", type=Path, default=REPO / "runs" / "bench_distill")
     args = p.parse_args()
+    from megatron_rl.trainer.schema import load_run_config
+
+    # the distillation runs' overrides, checked now: a bad key is one line here, not a failed run after the SFT
+    load_run_config(CONFIG, list(args.distill_override)).stage(STAGE)
     print(f"load average before: {loadavg()}", flush=True)
     student = sft_run(args.work, "student", args.eval_size, [])
     teacher_name = "teacher" if args.teacher_stop == 0.7 else f"teacher_stop{args.teacher_stop:g}"
@@ -96,31 +111,36 @@ def main() -> None:
     kinds = ["plain", *args.modes]
     for seed in args.seeds:
         for kind in kinds:
+            tag = "".join(f"_{o.replace('=', '')}" for o in args.distill_override)
             run = args.work / (f"plain_seed{seed}" if kind == "plain" else
-                               f"distill_{teacher_name}_coef{args.coef:g}_{kind}_seed{seed}")
+                               f"distill_{teacher_name}_coef{args.coef:g}_{kind}{tag}_seed{seed}")
             if not (run / STAGE / "final" / "trainer_state.json").exists():
                 over = ["sft.enabled=false", f"trainer.init_from={student / 'sft' / 'final'}", f"trainer.seed={seed}",
                         f"model.path={student / 'base_model'}", "synthetic.enabled=false",
                         f"data.train_path={data / 'train.jsonl'}", f"eval.path={data / 'eval.jsonl'}",
-                        f"stages.0.max_steps={args.steps}", "eval.every=0"]
+                        f"stages.0.max_steps={args.steps}", f"eval.every={args.eval_every}"]
                 if kind != "plain":
                     over += [f"algo.distill.coef={args.coef}", f"algo.distill.mode={kind}",
                              f"algo.distill.teacher={teacher_hf}"]
                     if kind == "replace":
                         over.append("algo.filter_zero_variance_groups=false")
+                    over += args.distill_override
                 s = train(run, over)
                 print(f"  {kind} seed {seed}: {s:.0f} s (load {loadavg()})", flush=True)
             rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
             rows = [r for r in rows if r["stage"] == STAGE]
-            runs[kind, seed] = {"accuracy": accuracy(run, STAGE), "steps": len(rows),
+            curve = {r["step"] - rows[0]["step"] + 1: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
+            runs[kind, seed] = {"accuracy": accuracy(run, STAGE), "steps": len(rows), "curve": curve,
                                 "reverse_kl_last": rows[-1].get("distill/reverse_kl"),
                                 "reward_last10": statistics.mean(r["reward/mean"] for r in rows[-10:]),
                                 "wall_s": sum(r["timing/step"] for r in rows)}
-            print(f"  {kind} seed {seed}: held-out {runs[kind, seed]['accuracy']:.3f}, "
+            mid = "".join(f"{a:.3f} at step {k}, " for k, a in sorted(curve.items()))
+            print(f"  {kind} seed {seed}: held-out {mid}{runs[kind, seed]['accuracy']:.3f} at the end, "
                   f"reward (last 10 steps) {runs[kind, seed]['reward_last10']:.3f}, reverse KL at the last "
                   f"step {runs[kind, seed]['reverse_kl_last']}", flush=True)
     out = {"accuracy_student_start": acc_student, "accuracy_teacher": acc_teacher,
            "teacher_stop": args.teacher_stop, "steps": args.steps, "seeds": args.seeds, "coef": args.coef,
+           "distill_override": args.distill_override,
            "eval_n": args.eval_size}
     for kind in kinds:
         out[f"accuracy_{kind}"] = statistics.mean(runs[kind, s]["accuracy"] for s in args.seeds)
@@ -129,6 +149,13 @@ def main() -> None:
             gains = [runs[kind, s]["accuracy"] - runs["plain", s]["accuracy"] for s in args.seeds]
             out[f"paired_gain_{kind}_points"] = [round(100 * g, 1) for g in gains]
             out[f"mean_gain_{kind}_points"] = 100 * statistics.mean(gains)
+        for step in sorted(runs[kind, args.seeds[0]]["curve"]):
+            at = [runs[kind, s]["curve"].get(step) for s in args.seeds]
+            base = [runs["plain", s]["curve"].get(step) for s in args.seeds]
+            if None not in at:
+                out[f"accuracy_{kind}_step{step}"] = statistics.mean(at)
+                if kind != "plain" and None not in base:
+                    out[f"paired_gain_{kind}_step{step}_points"] = [round(100 * (a - b), 1) for a, b in zip(at, base)]
     out["load"] = loadavg()
     print(json.dumps(out))
 

@@ -41,15 +41,22 @@ def connect_fleet(cfg: RolloutConfig, *, registry_dir: str | None = None, names:
     another service answers, the same server twice, a vLLM server without the routes the trainer
     drives, one whose max model length is below ``max_model_len`` (the run's longest prompt +
     response) or that serves another model than the policy's at ``model_path``; with
-    ``return_routes``, one that cannot return MoE routes."""
+    ``return_routes``, one that cannot return MoE routes. With ``model_path`` the servers return
+    tokens only and the handles decode the texts with its tokenizer (``server.completion_text``)."""
     from megatron_rl.rollout.fleet import EngineFleet
     from megatron_rl.rollout.server import VLLMServer
 
+    # The policy's tokenizer: the servers return tokens only, the handles decode the texts.
+    tokenizer = None
+    if model_path:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
     locate = None
     if cfg.placement == "external":
         keys = [f"rollout.server_urls[{i}]" for i in range(len(cfg.server_urls))]
         check_distinct(cfg.server_urls, keys)
-        servers = [VLLMServer(url, cfg, name=f"engine{i}", return_routes=return_routes)
+        servers = [VLLMServer(url, cfg, name=f"engine{i}", return_routes=return_routes, tokenizer=tokenizer)
                    for i, url in enumerate(cfg.server_urls)]
         whos = [s.url for s in servers]
         wait_healthy(servers, keys, cfg.start_timeout_s, "rollout.start_timeout_s")
@@ -64,8 +71,8 @@ def connect_fleet(cfg: RolloutConfig, *, registry_dir: str | None = None, names:
         keys = ["rollout.registry_dir"] * len(records)
         whos = [f"engine {r.name} at {r.url} ({registry.path(r.name)})" for r in records]
         check_distinct([r.url for r in records], keys, whos)
-        servers = [VLLMServer(r.url, cfg, name=r.name, workers=r.workers, return_routes=return_routes)
-                   for r in records]
+        servers = [VLLMServer(r.url, cfg, name=r.name, workers=r.workers, return_routes=return_routes,
+                              tokenizer=tokenizer) for r in records]
 
         def locate(name: str) -> str | None:
             rec = registry.records().get(name)

@@ -56,7 +56,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
-from megatron_rl.common.cpus import pin_to_helpers
+from megatron_rl.common.cpus import float_over_all
 from megatron_rl.rollout.base import (UNKNOWN_VERSION, Completion, EngineDied, EngineError, EngineTimeout,
                                       PauseMode, RolloutEngine, SamplingSpec)
 from megatron_rl.rollout.config import RolloutConfig
@@ -155,7 +155,7 @@ class EngineFleet(RolloutEngine):
         self._changed = self._run(self._make_condition())
 
     def _run_loop(self) -> None:
-        pin_to_helpers()  # trainer.cpu_cores: the HTTP traffic of a wave in flight is not the trainer's
+        float_over_all()  # trainer.cpu_cores: the wave's HTTP traffic runs where a core is free
         self._loop.run_forever()
 
     # ------------------------------------------------------------------------------ membership

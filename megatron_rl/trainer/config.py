@@ -95,9 +95,10 @@ class TrainerConfig(ConfigBase):
     # Stop the run with a diagnosis (outcome counts, a sample response) after this many consecutive
     # GRPO steps without an update (every group had zero reward variance); 0: never stop.
     max_steps_without_update: int = ranged(10, ge=0)
-    # CPU cores the trainer's process computes on (e.g. [0]); the vLLM servers it launches, its reward
-    # workers and the fleet client's thread then run on the other CPUs it may use (common/cpus.py): on
-    # a small CPU machine one-step-off overlaps generation and training only on separate cores. An
+    # CPU cores the trainer's process computes on (e.g. [0]); the computing thread of the vLLM servers
+    # it launches and its reward workers then run on the other CPUs it may use, the servers' front end
+    # (HTTP, output processing) and the fleet client's thread on any of them (common/cpus.py): on a
+    # small CPU machine one-step-off overlaps generation and training only on separate cores. An
     # in-process engine computes on these cores too. Empty: nothing is pinned.
     cpu_cores: list[int] = field(default_factory=list)
 

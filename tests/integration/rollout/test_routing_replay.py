@@ -3,8 +3,8 @@
 One tiny Qwen3-MoE (2 MoE layers, 8 experts, top-2; weights of std 0.2 so that routing matters), one
 in-process engine (the streaming engine: partial rollouts), one vLLM server (booting while the
 in-process checks run; the gloo sync's worker extension, which carries the routes' methods), one
-one-rank Megatron policy in this process, one torchrun of two ranks (the server and the torchrun
-only with MEGATRON_RL_EXTRA_TESTS=1: the suite's time budget). References: float64
+one-rank Megatron policy in this process, one torchrun of two ranks (an EP2 trainer that syncs the
+server and an in-process engine of its own, then a PP2 one). References: float64
 transformers (its routers' top-k sets; its log-probs with the engine's experts forced).
 
 Engines (``Completion.routes``: prompt + response - 1 rows, every MoE layer, top-k), in-process and
@@ -18,7 +18,7 @@ weights' routes, the others the new weights'.
 Trainer (r3 = replay the engine's routes): the experts every MoE layer actually routed each token to
 (its router's ``routing_map``) are the engine's, 100%, and the log-probs equal transformers' with the
 engine's experts forced, for both engines' batches spanning an update, at EP1 (here) and EP2
-(torchrun, forward and training step). A planted divergence (the engine's routers perturbed: a third
+(torchrun, forward and training step; and the server's responses after the EP2 trainer's sync). A planted divergence (the engine's routers perturbed: a third
 of the (token, layer) top-k sets differ): ``moe/router_agreement`` is exactly the share transformers
 measures, the gap without replay is large, and the r3 log-probs equal the forced reference. r2 with
 n_sgd=2: every router call of both passes routes as the old pass recorded, while the routers' own
@@ -29,7 +29,6 @@ without it. The KL reference, a second model in the process, routes freely mid-r
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -46,11 +45,6 @@ from routes_ref import (SPEC, RouterTap, assert_routes_match, assert_rows_match,
 pytestmark = pytest.mark.slow
 MAX_MODEL_LEN = 256
 TOKENS = 128  # per micro-batch
-# The server's and the torchrun's checks (~75 s) exceed the suite's time budget: they run with
-# MEGATRON_RL_EXTRA_TESTS=1 (to fold into the fleet's server and the parallel_run launch).
-EXTRA = os.environ.get("MEGATRON_RL_EXTRA_TESTS") == "1"
-extra = pytest.mark.skipif(not EXTRA, reason="the server / torchrun checks: MEGATRON_RL_EXTRA_TESTS=1 "
-                                            "(the suite's time budget)")
 QUESTIONS = ["12+345=", "99+1=", "407+58=" * 22]  # the last one is longer than a KV block
 
 
@@ -86,7 +80,7 @@ def env(tmp_path_factory):
     spec = ServerSpec(name="moe-0", model=model, host="127.0.0.1", port=free_port("127.0.0.1"), rollout=_rollout(),
                       max_model_len=MAX_MODEL_LEN, extra_args=args, env={**senv, "OMP_NUM_THREADS": "1"},
                       log_path=str(root / "server.log"))
-    server = ServerProcess(spec).start() if EXTRA else None  # boots while the in-process checks run
+    server = ServerProcess(spec).start()  # boots while the in-process checks run
     try:
         tok = AutoTokenizer.from_pretrained(model)
         prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
@@ -95,8 +89,7 @@ def env(tmp_path_factory):
         yield {"root": root, "model": model, "weights": weights, "new": new, "model_new": str(model_new), "hf": hf,
                "prompts": prompts, "server": server, "batches": {}}
     finally:
-        if server is not None:
-            server.stop()
+        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +269,6 @@ def _generated(server) -> float:
     return 0.0
 
 
-@extra
 def test_routing_replay_server_routes_equal_transformers_router_and_span_an_update(env):
     from megatron_rl.rollout import SamplingSpec, connect_fleet
     from megatron_rl.rollout.fleet_stream import FleetStream
@@ -331,7 +323,6 @@ def test_routing_replay_server_routes_equal_transformers_router_and_span_an_upda
         fleet.close()
 
 
-@extra
 def test_routing_replay_server_returning_routes_another_way_is_refused(env):
     from megatron_rl.rollout.routes import RoutesError
     from megatron_rl.rollout.server import VLLMServer
@@ -354,8 +345,7 @@ def test_routing_replay_r3_trainer_routes_are_the_engines_at_ep1(env, policy):
     from megatron_rl.models.routing_replay import Routes
 
     hf = env["hf"]
-    assert set(env["batches"]) == ({"in-process", "server"} if EXTRA else {"in-process"}), \
-        "the engine tests above make the batches"
+    assert set(env["batches"]) == {"in-process", "server"}, "the engine tests above make the batches"
     load_routers(hf, env["new"])
     expected = env["expected"] = {}
     try:
@@ -375,11 +365,20 @@ def test_routing_replay_r3_trainer_routes_are_the_engines_at_ep1(env, policy):
         load_routers(hf, env["weights"])
 
 
-@extra
-def test_routing_replay_r3_at_ep2_and_pp2_with_recompute(env):
-    """The same batches on two ranks (torchrun): EP2 (the old pass and a training step) routes as the
-    engines did and gives the forced reference's log-probs; PP2 with full recomputation replays
-    (every router runs again in backward) and its gradients equal the run without it."""
+def test_routing_replay_moe_ep2_trainer_replays_then_syncs_both_engines_and_replays_the_servers_routes(env):
+    """One torchrun of two ranks. EP2 (data parallel 2): the same batches (the old pass and a training
+    step) route as the engines did and give the forced reference's log-probs. The updated weights
+    then sync, each EP rank sending its own experts, into the module's server (gloo, two senders)
+    and an in-process engine beside the trainer: both engines' greedy outputs equal float64
+    transformers' on the exported updated checkpoint, and the server's sampled responses (their
+    log-probs and routes transformers') replayed by the EP2 trainer route through the engine's
+    experts, 100% of tokens and layers, with the forced reference's log-probs. PP2 with full
+    recomputation replays (every router runs again in backward) and its gradients equal the run
+    without it."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_ref import hf_greedy, hf_logprobs
+    from megatron_rl.trainer.routing_replay import engine_routes
     from tests.integration.models.policy_testlib import torchrun
 
     assert "expected" in env and "forced" in env, "the EP1 test above makes the references"
@@ -389,8 +388,11 @@ def test_routing_replay_r3_at_ep2_and_pp2_with_recompute(env):
     batches = {name: {"sequences": d["sequences"], "prompt_lens": d["prompt_lens"], "routes": d["routes"]}
                for name, d in env["batches"].items()}
     batches["in-process"]["forced"] = forced
-    torch.save(batches, root / "batches.pt")
-    torchrun(Path(__file__).parent / "routing_replay_worker.py", root, env["model_new"], root / "batches.pt", nproc=2)
+    fleet = dict(engine="vllm_server", placement="external", server_urls=[env["server"].spec.url()], hedge_after=0.0,
+                 control_timeout_s=20.0, kv_cache_bytes=16 << 20, max_num_seqs=16, max_prompt_len=200,
+                 max_response_len=48, timeout_s=120.0)
+    torch.save({"batches": batches, "prompts": env["prompts"], "fleet": fleet}, root / "spec.pt")
+    torchrun(Path(__file__).parent / "routing_replay_worker.py", root, env["model_new"], root / "spec.pt", nproc=2)
 
     ep2 = torch.load(root / "ep2.pt", weights_only=False)
     for name, d in env["batches"].items():
@@ -400,6 +402,50 @@ def test_routing_replay_r3_at_ep2_and_pp2_with_recompute(env):
             _equal_to_engine(merged, d["routes"], lengths)
         err = max((lp.double() - ref).abs().max().item() for lp, ref in zip(ep2[name]["logp"], expected[name]))
         assert err < 2e-5, f"{name}: EP2 r3 log-probs {err:.2e} from transformers' with the engine's experts"
+
+    # the sync: each EP rank sent its own experts (rank 1: experts 4-7, nothing else), into both engines
+    sync, after = ep2["sync"], ep2["after_sync"]
+    state = checkpoint(str(root / "updated"))  # the exported updated weights, by HF name
+    half = SPEC.num_experts // 2
+
+    def expert(n: str) -> int | None:
+        return int(n.split(".mlp.experts.")[1].split(".")[0]) if ".mlp.experts." in n else None
+
+    assert sorted(n for n, _ in sync["plan"]) == sorted(state)
+    for name, sender in sync["plan"]:
+        assert sender == (0 if expert(name) is None else expert(name) // half), (name, sender)
+    rank1 = sum(t.numel() * 4 for n, t in state.items() if expert(n) is not None and expert(n) >= half)
+    for kind in ("inprocess", "gloo"):
+        m = sync[kind]
+        assert m["complete"] and m["engines"] == 1 and m["senders"] == 2 and m["tensors"] == len(state), m
+        assert m["bytes"] == sum(t.numel() * 4 for t in state.values()) and m["sender_bytes"][1] == rank1, m
+    (round_,) = sync["gloo"]["rounds"]  # the server's worker received both senders' buckets, checksummed
+    assert round_["senders"] == 2 and round_["bytes"] == sync["gloo"]["bytes"], round_
+    moved = max((state[n] - t).abs().max().item() for n, t in env["new"].items()
+                if expert(n) is not None and expert(n) >= half)
+    assert moved > 1e-2, f"the update moved rank 1's experts by {moved:.2e} only: the check could not tell"
+    hf = AutoModelForCausalLM.from_pretrained(str(root / "updated"), dtype=torch.float64,
+                                              experts_implementation="eager").eval()
+    want = [hf_greedy(hf, prompt, 10) for prompt in env["prompts"]]
+    differ = [name for name, got in after["greedy"].items() if got != want]
+    assert not differ, f"{differ}: greedy outputs differ from transformers' after the EP2 sync"
+    assert after["versions"] == [2]
+    sampled = after["sampled"]
+    for i, (p, t, lp, r) in enumerate(sampled):
+        gap = (torch.tensor(lp, dtype=torch.float64) - hf_logprobs(hf, p, t)).abs().max().item()
+        assert gap < 2e-4, f"server sample {i}: log-probs {gap:.2e} from transformers' after the EP2 sync"
+        assert_routes_match(r, hf, (list(p) + t)[:-1], f"server sample {i} after the EP2 sync")
+    seqs = [list(p) + t for p, t, _, _ in sampled]
+    routes = [engine_routes(r, len(s), "server") for (*_, r), s in zip(sampled, seqs)]  # as the trainer got them
+    lengths = [len(s) for s in seqs]
+    _equal_to_engine(_merge_ranks(after["replay_tap"]), routes, lengths)  # r3: 100%, every token and layer
+    for i, (s, f, r) in enumerate(zip(seqs, after["free"], routes)):  # its own routers agree (near ties aside)
+        assert_rows_match(f.numpy()[:len(s) - 1], np.sort(r.numpy()[:len(s) - 1].astype(np.int64), -1),
+                          hf_topk(hf, s[:-1])[1], f"EP2 trainer's free routes, server sample {i}")
+    err = max((lp.double() - forced_logprobs(hf, s, len(p), r.numpy())).abs().max().item()
+              for lp, s, (p, *_), r in zip(after["replay_logp"], seqs, sampled, routes))
+    assert err < 2e-5, f"EP2 r3 log-probs of the server's samples {err:.2e} from the forced reference"
+
     pp2 = torch.load(root / "pp2.pt", weights_only=False)
     lengths = [len(s) for s in env["batches"]["in-process"]["sequences"]]
     for kind in ("none", "full"):

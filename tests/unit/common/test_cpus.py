@@ -1,6 +1,7 @@
-"""trainer.cpu_cores: the trainer's process on its cores, its helpers (reward workers, the fleet
-client's thread) and the servers it launches on the others. Checked in a child process (pinning
-this one would pin the test session), with the real reward pool, fleet and launcher code."""
+"""trainer.cpu_cores: the trainer's process on its cores, the reward workers and the servers'
+computing threads (vLLM's OpenMP binding) on the others, the servers' other processes and the fleet
+client's thread on all of them. Checked in a child process (pinning this one would pin the test
+session), with the real reward pool, fleet and launcher code."""
 
 from __future__ import annotations
 
@@ -71,8 +72,9 @@ def test_cpu_cores_pin_the_trainer_and_send_its_helpers_elsewhere():
     assert out["main"] == [0] and out["early"] == "0"  # every thread, also one started before
     assert out["omp_in_process"] == "0"  # an in-process engine computes on the trainer's cores
     assert out["reward_worker"] == rest
-    assert out["fleet_thread"] in (others, f"{rest[0]}-{rest[-1]}")
-    assert out["server"] == [others, others]
+    every = sorted(os.sched_getaffinity(0))
+    assert out["fleet_thread"] in (",".join(map(str, every)), f"{every[0]}-{every[-1]}")
+    assert out["server"] == [",".join(map(str, every)), others]
 
 
 def test_the_servers_pin_themselves_from_the_environment():

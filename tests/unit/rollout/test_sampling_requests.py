@@ -24,3 +24,31 @@ def test_min_tokens_reaches_the_in_process_engine():
     assert [p.min_tokens for p in params] == [5, 5] and [p.seed for p in params] == [9, 10]
     _, (plain,) = VLLMEngine.requests([[1]], SamplingSpec())
     assert plain.min_tokens == 0
+
+
+def test_a_handle_with_the_tokenizer_asks_for_tokens_and_decodes_as_vllm():
+    """With the policy's tokenizer the server returns tokens only (nothing detokenized there) and
+    the handle decodes each sample's text the way vLLM's detokenizer does: from the prompt's last
+    tokens (a SentencePiece tokenizer keeps the first output token's leading space), special tokens
+    skipped, the token that stopped the sample (EOS or a stop token id) out of the text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_rl.rollout.server import completion_text
+
+    body = generate_body([1, 2], SamplingSpec(n=2), text=False)
+    assert body["output_mode"] == "tokens" and body["sampling_params"]["detokenize"] is False
+    assert generate_body([1, 2], SamplingSpec(n=2))["output_mode"] == "text"
+    assert "detokenize" not in generate_body([1, 2], SamplingSpec(n=2))["sampling_params"]
+
+    vocab = {"</s>": 0, "\u2581hello": 1, "\u2581world": 2, "\u2581again": 3, "!": 4}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace()
+    core.decoder = decoders.Metaspace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>")
+    assert completion_text(tok, [1], [2, 3], "length") == " world again"  # "world again" alone
+    assert completion_text(tok, [1], [2, 3, 0], "stop") == " world again"  # EOS
+    assert completion_text(tok, [1], [2, 4, 3], "stop") == " world!"  # a stop token id: out of the text
+    assert completion_text(tok, [1], [2, 4], "abort") == " world!"  # stopped part-way: every token
+    assert completion_text(tok, [], [2, 3], "length") == "world again"
+    assert completion_text(tok, [1], [0], "stop") == ""
