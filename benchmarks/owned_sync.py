@@ -1,5 +1,6 @@
-"""Weight sync from a pipeline-parallel trainer: every stage streams its own layers (``sync.senders=
-owners``) vs one rank gathering the whole model and sending it (``gather``), in one run.
+"""Weight sync from a pipeline- or expert-parallel trainer: every stage (every expert-parallel rank)
+streams its own layers (its own experts) (``sync.senders=owners``) vs one rank gathering the whole
+model and sending it (``gather``), in one run.
 
 The run starts two vLLM servers (127.0.0.2/3, the gloo weight-transfer backend) on a synthetic
 Llama-like model, then a ``torchrun --nproc-per-node 2`` trainer at pipeline_parallel=2 (the real
@@ -15,8 +16,15 @@ by the embedding and head), and no trainer rank should receive tensor bytes with
 streams compete for the same CPUs, so the time ratio is an upper bound of what separate nodes see.
 The last line is one JSON object.
 
+``--moe``: a synthetic Qwen3-MoE (``--experts`` routed experts of width ``--inter`` / 4 per layer, top
+2) and a trainer at expert_parallel=2 (``--ep``; ``--pp`` 1): each EP rank should send only its own
+experts (1/EP of the expert bytes), plus the rest of the model where it holds it (the rank of the
+first pipeline stage's replica 0: attention, norms, routers, embedding and head). Printed in addition:
+each sender's expert and other bytes against that target.
+
     python benchmarks/owned_sync.py                        # ~3 min on 2 cores
     python benchmarks/owned_sync.py --layers 4 --repeats 2   # a quick look
+    python benchmarks/owned_sync.py --moe                   # EP=2 on a Qwen3-MoE
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import signal
 import statistics
@@ -38,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable without an install
 HOSTS = ["127.0.0.2", "127.0.0.3"]
 MiB = 1 << 20
+EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")  # a routed expert's HF tensor (not a shared expert's)
 
 
 def loadavg() -> str:
@@ -88,8 +98,21 @@ def _instrument() -> None:
     gloo.broadcast = broadcast
 
 
+def plan_split(plan) -> dict[int, dict[str, int]]:
+    """Bytes each sender of ``plan`` sends: ``{rank: {"expert": routed experts', "rest": the others'}}``."""
+    out: dict[int, dict[str, int]] = {}
+    for item in plan:
+        nbytes = item.dtype.itemsize
+        for d in item.shape:
+            nbytes *= d
+        kind = "expert" if EXPERT.search(item.name) else "rest"
+        row = out.setdefault(item.sender, {"expert": 0, "rest": 0})
+        row[kind] += nbytes
+    return out
+
+
 def worker(args) -> None:
-    """One trainer rank (under torchrun): build the PP=2 policy, sync with each plan, report."""
+    """One trainer rank (under torchrun): build the PP x EP policy, sync with each plan, report."""
     from megatron_rl.compat import apply_compat
 
     apply_compat()
@@ -103,7 +126,7 @@ def worker(args) -> None:
     from megatron_rl.sync import SyncConfig, build_weight_sync
 
     _instrument()
-    par = ParallelConfig(pipeline_parallel=2, timeout_s=600)
+    par = ParallelConfig(pipeline_parallel=args.pp, expert_parallel=args.ep, timeout_s=600)
     groups = init_distributed(par)
     policy = MegatronPolicy.from_hf(args.model, PolicyConfig(parallel=par, optim=OptimConfig(lr=1e-3)), groups)
     rank = groups.rank
@@ -120,9 +143,11 @@ def worker(args) -> None:
                          verify=True)
         plan = policy.export_plan(to_rank=cfg.gather_rank())
         sync = build_weight_sync(cfg, fleet, rank=rank, metadata=plan)
+        out.setdefault(kind, {})["plan"] = {str(k): v for k, v in plan_split(plan).items()}
         version += 1
         sync.sync(policy.export_owned(plan), version)  # forms the group (untimed)
-        entry = out.setdefault(kind, {"seconds": [], "ranks": None, "rss_growth_mib": None})
+        entry = out[kind]
+        entry.update(seconds=[], ranks=None, rss_growth_mib=None)
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         for _ in range(args.repeats):
             version += 1
@@ -158,6 +183,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--inter", type=int, default=1536)
+    ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE at expert_parallel=2 (pipeline_parallel=1)")
+    ap.add_argument("--experts", type=int, default=8, help="--moe: routed experts per layer (top 2)")
+    ap.add_argument("--pp", type=int, default=None, help="pipeline-parallel size (default: 2; --moe: 1)")
+    ap.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: 1; --moe: 2)")
     ap.add_argument("--bucket-mib", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--work-dir", default="/tmp/mrl_owned_sync")
@@ -166,6 +195,10 @@ def main() -> None:
     ap.add_argument("--registry", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.pp = args.pp or (1 if args.moe else 2)
+    args.ep = args.ep or (2 if args.moe else 1)
+    if args.ep > 1 and not args.moe:
+        ap.error("--ep needs --moe (a dense model has no experts)")
     if args.worker:
         return worker(args)
     from megatron_rl.demo import TinySpec, write_tiny_model
@@ -177,11 +210,19 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, lambda s, f: (_ for _ in ()).throw(SystemExit(128 + s)))
     work = Path(args.work_dir)
-    model = work / f"llama_l{args.layers}_h{args.hidden}"
+    heads = args.hidden // 64
+    if args.moe:
+        model = work / f"qwen3moe_l{args.layers}_h{args.hidden}_i{args.inter}_e{args.experts}"
+        spec = TinySpec(arch="qwen3_moe", hidden_size=args.hidden, intermediate_size=args.inter,
+                        num_layers=args.layers, num_heads=heads, num_kv_heads=heads, num_experts=args.experts,
+                        num_experts_per_tok=2, moe_intermediate_size=args.inter // 4, seed=0)
+    else:
+        model = work / f"llama_l{args.layers}_h{args.hidden}"
+        spec = TinySpec(arch="llama", hidden_size=args.hidden, intermediate_size=args.inter,
+                        num_layers=args.layers, num_heads=heads, num_kv_heads=heads, seed=0)
     if not (model / "tiny_spec.json").exists():
-        write_tiny_model(model, TinySpec(arch="llama", hidden_size=args.hidden, intermediate_size=args.inter,
-                                         num_layers=args.layers, num_heads=args.hidden // 64,
-                                         num_kv_heads=args.hidden // 64, seed=0))
+        write_tiny_model(model, spec)
+    world = args.pp * args.ep
     extra, env = server_args(SyncConfig(transport="gloo"))
     rollout = RolloutConfig(engine="vllm_server", placement="dedicated", kv_cache_bytes=16 * MiB, max_num_seqs=4,
                             max_prompt_len=8, max_response_len=8)
@@ -192,11 +233,13 @@ def main() -> None:
     registry = EngineRegistry(work / "engines")
     launcher = EngineLauncher(specs, registry=registry, start_timeout_s=600).start()
     try:
-        print(f"# {model.name}: 2 servers, trainer PP=2 (torchrun 2 ranks), load average {loadavg()} "
+        print(f"# {model.name}: 2 servers, trainer PP={args.pp} EP={args.ep} (torchrun {world} ranks), "
+              f"load average {loadavg()} "
               f"(2-core box shared with other sessions)", flush=True)
         result = work / "result.json"
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               __file__, "--worker", "--model", str(model), "--registry", str(registry.dir),
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc-per-node", str(world), __file__, "--worker", "--model", str(model), "--registry", str(registry.dir),
+                               "--pp", str(args.pp), "--ep", str(args.ep), *(["--moe"] if args.moe else []),
                                "--out", str(result), "--repeats", str(args.repeats),
                                "--bucket-mib", str(args.bucket_mib)],
                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
@@ -223,14 +266,29 @@ def main() -> None:
     print(f"\nowners_vs_gather = {med['owners'] / med['gather']:.3f}; the most one owner sends: "
           f"{most / total:.3f} of the model; gather: rank 0 receives "
           f"{out['gather']['ranks'][0]['recv'] / MiB:.1f} MiB and sends {out['gather']['ranks'][0]['sent'] / MiB:.1f} MiB")
-    print(json.dumps({"owners_vs_gather": round(med["owners"] / med["gather"], 3),
+    split = owners["plan"]
+    experts = sum(r["expert"] for r in split.values())
+    rest = sum(r["rest"] for r in split.values())
+    extra = {}
+    if experts:
+        shares = {k: r["expert"] / experts for k, r in split.items()}
+        print(f"\nexperts {experts / MiB:.1f} MiB, the rest {rest / MiB:.1f} MiB; each owner sends (target: <= 1/EP = "
+              f"{1 / args.ep:.3f} of the expert bytes, plus the rest it holds):")
+        for k, r in sorted(split.items()):
+            print(f"  rank {k}: experts {r['expert'] / MiB:.1f} MiB ({shares[k]:.3f} of them), the rest "
+                  f"{r['rest'] / MiB:.1f} MiB ({r['rest'] / rest:.3f} of it)")
+        extra = {"expert_mib": round(experts / MiB, 1), "rest_mib": round(rest / MiB, 1),
+                 "owners_expert_share": {k: round(v, 3) for k, v in shares.items()},
+                 "owners_rest_mib": {k: round(r["rest"] / MiB, 1) for k, r in split.items()},
+                 "experts_within_target": max(shares.values()) <= 1 / args.ep + 1e-9}
+    print(json.dumps({"pp": args.pp, "ep": args.ep, "owners_vs_gather": round(med["owners"] / med["gather"], 3),
                       "owners_s": round(med["owners"], 3), "gather_s": round(med["gather"], 3),
                       "model_mib": round(total / MiB, 1),
                       "owners_max_sender_share": round(most / total, 3),
                       "owners_sender_mib": {k: round(v / MiB, 1) for k, v in owners["sender_bytes"].items()},
                       "owners_trainer_recv_mib": [round(r["recv"] / MiB, 1) for r in owners["ranks"]],
                       "gather_trainer_recv_mib": [round(r["recv"] / MiB, 1) for r in out["gather"]["ranks"]],
-                      "load": loadavg()}))
+                      **extra, "load": loadavg()}))
 
 
 if __name__ == "__main__":

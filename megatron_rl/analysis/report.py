@@ -82,6 +82,30 @@ def _first_last(data: RunData, key: str) -> str:
     return f"{_fmt(y[0])} → {_fmt(y[-1])}" if y else "–"
 
 
+def _float(v) -> float | None:
+    v = float(v)
+    return None if v != v else v
+
+
+def expert_load_facts(data: RunData) -> dict | None:
+    """A Mixture-of-Experts run's expert load at its last GRPO step: per MoE layer the most and least
+    loaded expert's share of the layer's (token, expert) assignments (``load_max`` / ``load_min``,
+    keyed by layer), the layer whose top expert is most loaded, and the load-balancing loss at the
+    first and last step; ``most_loaded`` / ``least_loaded``: the extremes over the layers. None for a
+    dense run."""
+    layers = moe_layers(data)
+    if not layers:
+        return None
+    last = data.metrics.iloc[-1]
+    _, aux = data.series("moe/aux_loss")
+    top = max(layers, key=lambda i: last[f"moe/load_max/layer_{i}"])
+    return {"load_max": {str(i): _float(last[f"moe/load_max/layer_{i}"]) for i in layers},
+            "load_min": {str(i): _float(last[f"moe/load_min/layer_{i}"]) for i in layers},
+            "most_loaded_layer": top, "most_loaded": _float(last[f"moe/load_max/layer_{top}"]),
+            "least_loaded": _float(min(last[f"moe/load_min/layer_{i}"] for i in layers)),
+            "aux_loss_first": _float(aux[0]) if aux else None, "aux_loss_last": _float(aux[-1]) if aux else None}
+
+
 def summary_rows(data: RunData, facts: dict) -> list[tuple[str, str]]:
     m = data.metrics
     rows = [("run directory", str(data.root.resolve()))]
@@ -105,13 +129,12 @@ def summary_rows(data: RunData, facts: dict) -> list[tuple[str, str]]:
         gap = data.rollouts["logp_gap_mean"].dropna()
         if len(gap):
             rows.append(("train-inference log-prob gap", f"median {gap.median():.2e}, max {gap.max():.2e} per sample"))
-    layers = moe_layers(data)
-    if layers:
-        last = m.iloc[-1]
-        top = max(layers, key=lambda i: last[f"moe/load_max/layer_{i}"])
-        rows.append(("expert load, last step", f"most loaded expert {_pct(last[f'moe/load_max/layer_{top}'])} "
+    load = expert_load_facts(data)
+    if load is not None:
+        top = load["most_loaded_layer"]
+        rows.append(("expert load, last step", f"most loaded expert {_pct(load['most_loaded'])} "
                      f"of its layer's assignments (layer {top}); least loaded "
-                     f"{_pct(min(last[f'moe/load_min/layer_{i}'] for i in layers))}; load-balancing loss "
+                     f"{_pct(load['least_loaded'])}; load-balancing loss "
                      f"{_first_last(data, 'moe/aux_loss')} (first → last)"))
     rows += episode_rows(data)
     wl = data.wrong_labels
@@ -269,6 +292,8 @@ def analyze(run_dir: str | Path, out_dir: str | Path | None = None) -> dict:
     if data.wrong_labels is not None:
         facts["suspected_wrong_labels"] = len(data.wrong_labels.get("suspects", []))
     facts["grpo_steps"] = len(data.metrics)
+    if (load := expert_load_facts(data)) is not None:
+        facts["expert_load"] = load
     facts["skipped"] = list(data.skipped)
     out = Path(out_dir) if out_dir else data.root / "report"
     try:

@@ -109,6 +109,13 @@ def write_summary(ctx: Context) -> dict:
         log.info("run report: %s", facts["report"])
     except Exception:  # the run's results stand; `megatron-rl analyze RUN_DIR` can retry
         log.exception("writing the run report failed")
+        facts = {}
+    if facts.get("expert_load"):  # a MoE run: the last step's expert load joins the summary
+        load = summary["expert_load"] = facts["expert_load"]
+        (ctx.run.root / "summary.json").write_text(json.dumps(summary, indent=1))
+        log.info("expert load, last step: most loaded expert %s of its layer's assignments (layer %s), "
+                 "least loaded %s; load-balancing loss %s -> %s", load["most_loaded"], load["most_loaded_layer"],
+                 load["least_loaded"], load["aux_loss_first"], load["aux_loss_last"])
     ctx.tracker.summary({k: v for k, v in summary.items() if isinstance(v, (int, float))})
     return summary
 

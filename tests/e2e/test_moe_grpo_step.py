@@ -52,3 +52,6 @@ def test_moe_grpo_step_logs_aux_loss_and_expert_load(moe_run):
     assert f"moe/load_max/layer_{LAYERS}" not in step
     page = (moe_run / "report" / "index.html").read_text()
     assert 'data-figure="expert_load"' in page and "expert load, last step" in page
+    load = json.loads((moe_run / "summary.json").read_text())["expert_load"]  # the summary shows it too
+    assert load["load_max"] == {str(i): step[f"moe/load_max/layer_{i}"] for i in range(LAYERS)}
+    assert load["least_loaded"] == min(step[f"moe/load_min/layer_{i}"] for i in range(LAYERS))

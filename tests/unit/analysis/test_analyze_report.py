@@ -90,9 +90,9 @@ def _with_moe_metrics(src, dst, layers: int):
     return dst
 
 
-def test_analyze_plots_moe_expert_load(run, tmp_path):
+def test_analyze_plots_moe_expert_load(run, tmp_path, capsys):
     from megatron_rl.analysis.figures import expert_load
-    from megatron_rl.analysis.report import summary_rows
+    from megatron_rl.analysis.report import expert_load_facts, summary_rows
 
     root, *_ = run
     moe = load_run(_with_moe_metrics(root, tmp_path / "moe", layers=2))
@@ -113,6 +113,16 @@ def test_analyze_plots_moe_expert_load(run, tmp_path):
     # a dense run: the figure says why it is empty
     dense = expert_load(load_run(make_run(tmp_path / "dense_run", moe_layers=0) and tmp_path / "dense_run"))
     assert not dense.data and "dense model" in dense.layout.annotations[-1].text
+    assert expert_load_facts(load_run(tmp_path / "dense_run")) is None
+    capsys.readouterr()
     assert main(["analyze", str(tmp_path / "moe")]) == 0
+    # the command's facts (and a MoE run's summary.json) carry the last step's expert load
+    load = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["expert_load"]
+    k = steps[-1]
+    assert load["load_max"] == pytest.approx({"0": 0.25 + 0.1 / k, "1": 0.26 + 0.1 / k})
+    assert load["load_min"] == pytest.approx({"0": 0.25 - 0.1 / k, "1": 0.24 - 0.1 / k})
+    assert (load["most_loaded_layer"], load["most_loaded"], load["least_loaded"]) == (1, pytest.approx(0.26 + 0.1 / k),
+                                                                                     pytest.approx(0.24 - 0.1 / k))
+    assert (load["aux_loss_first"], load["aux_loss_last"]) == pytest.approx((1.0 + 1.0 / steps[0], 1.0 + 1.0 / k))
     page = (tmp_path / "moe" / "report" / "index.html").read_text()
     assert 'data-figure="expert_load"' in page and "expert load, last step" in page
