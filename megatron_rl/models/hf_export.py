@@ -20,6 +20,7 @@ Both are collective: every rank of the world must run the iterator to its end.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -95,37 +96,73 @@ def _entries(arch: HFArch, groups: ParallelGroups, scheme: Scheme) -> list[_Entr
     return out
 
 
-def _holder(groups: ParallelGroups, entry: _Entry) -> int:
+def _holder(groups: ParallelGroups, entry: _Entry, replica: int = 0) -> int:
     """The global rank that holds ``entry`` whole after its TP gather: its stage's TP-rank-0 of data-
-    and context-parallel replica 0 (the CP ranks hold the same weights, so do the DP replicas); a
-    routed expert's: its expert-parallel rank's expert-TP-rank-0 of expert-data-parallel replica 0."""
+    parallel replica ``replica``, context-parallel rank 0 (the CP ranks hold the same weights, so do
+    the DP replicas); a routed expert's: its expert-parallel rank's expert-TP-rank-0 of
+    expert-data-parallel replica 0."""
     if entry.ep_rank is not None:
         return groups.expert_owners[entry.pp_rank][entry.ep_rank]
-    return groups.global_rank(pp=entry.pp_rank)
+    return groups.global_rank(pp=entry.pp_rank, dp=replica)
 
 
-def _gathers(groups: ParallelGroups, entry: _Entry) -> bool:
+def _replicas(groups: ParallelGroups, pp_rank: int) -> dict[int, int]:
+    """The stage's ranks that can hold a replicated (non-expert) parameter whole after a TP gather
+    (TP rank 0, CP rank 0 of each data-parallel replica): global rank -> data-parallel index."""
+    return {groups.global_rank(pp=pp_rank, dp=d): d for d in range(groups.dp)}
+
+
+def _gathers(groups: ParallelGroups, entry: _Entry, replica: int = 0) -> bool:
     """Whether this rank takes part in ``entry``'s gather (it holds a shard the holder collects)."""
     if groups.pp_rank != entry.pp_rank:
         return False
     if entry.ep_rank is not None:
         return groups.ep_rank == entry.ep_rank and groups.edp_rank == 0
-    return groups.dp_rank == 0 and groups.cp_rank == 0
+    return groups.dp_rank == replica and groups.cp_rank == 0
+
+
+def _owners(arch: HFArch, groups: ParallelGroups, entries: list[_Entry]) -> list[int]:
+    """Each entry's sender in the owners' plan. A routed expert: the rank holding it. A dense
+    model's parameter (or any at EP=1): its stage's replica 0. With expert parallelism the
+    replicated parameters (attention, norms, routers, embedding, head) are held whole by every
+    expert-parallel rank that is also a dense replica's TP-0/CP-0 rank, so they are spread over
+    those ranks, largest first onto the least loaded (expert bytes counted), so that each EP rank
+    sends about 1/EP of the whole model rather than one of them all of the rest. Deterministic:
+    every rank computes the same plan locally."""
+    size = [sum(math.prod(hf_shape(arch, name)) for name in e.rule.hf) for e in entries]
+    senders: list[int | None] = [None] * len(entries)
+    load: dict[int, int] = {}
+    spread = []
+    for i, e in enumerate(entries):
+        if e.ep_rank is None and groups.ep > 1:
+            spread.append(i)
+            continue
+        senders[i] = _holder(groups, e)
+        load[senders[i]] = load.get(senders[i], 0) + size[i]
+    for i in sorted(spread, key=lambda i: (-size[i], i)):
+        e = entries[i]
+        owners = set(groups.expert_owners[e.pp_rank])
+        candidates = [r for r in _replicas(groups, e.pp_rank) if r in owners] or [_holder(groups, e)]
+        senders[i] = min(candidates, key=lambda r: (load.get(r, 0), r))
+        load[senders[i]] = load.get(senders[i], 0) + size[i]
+    return senders
 
 
 def export_plan(arch: HFArch, groups: ParallelGroups, dtype: torch.dtype, scheme: Scheme = "local",
                 to_rank: int | None = None) -> list[ExportItem]:
     """Every HF tensor of the model, in the export's fixed order, with its sender.
 
-    ``to_rank=None`` (the owners' plan): each tensor is sent by the rank that holds it after its TP
-    gather (:func:`_holder`); the plan then has one sender per pipeline stage. ``to_rank=r``: every
+    ``to_rank=None`` (the owners' plan): each tensor is sent by a rank that holds it after its TP
+    gather (:func:`_owners`): one sender per pipeline stage, or with expert parallelism one per
+    (stage, EP rank), the replicated parameters spread over them. ``to_rank=r``: every
     tensor is sent by global rank ``r`` (the other stages ship theirs to it first). Computed locally,
     the same on every rank. ``dtype``: the exported tensors' (the parameters')."""
     if to_rank is not None and not 0 <= to_rank < groups.world_size:
         raise ValueError(f"to_rank {to_rank} is not a rank of this world of {groups.world_size}")
-    return [ExportItem(name, dtype, tuple(hf_shape(arch, name)),
-                       _holder(groups, e) if to_rank is None else to_rank)
-            for e in _entries(arch, groups, scheme) for name in e.rule.hf]
+    entries = _entries(arch, groups, scheme)
+    senders = _owners(arch, groups, entries) if to_rank is None else [to_rank] * len(entries)
+    return [ExportItem(name, dtype, tuple(hf_shape(arch, name)), sender)
+            for e, sender in zip(entries, senders) for name in e.rule.hf]
 
 
 def plan_senders(plan: list[ExportItem]) -> list[int]:
@@ -147,7 +184,8 @@ def _walk(arch: HFArch, chunks: list, groups: ParallelGroups, plan: list[ExportI
           ) -> Iterator[tuple[ExportItem, torch.Tensor | None]]:
     """``(item, tensor)`` for every plan item on every rank, the tensor on the item's sender only.
 
-    Per Megatron parameter: its stage's replica-0 ranks gather it over their TP group onto TP rank 0
+    Per Megatron parameter: its stage's ranks of one replica (the sender's, when the sender holds one;
+    else replica 0) gather it over their TP group onto TP rank 0
     (a routed expert: its EP rank's expert-data-parallel replica 0 over the expert-TP group; a
     gather: the other ranks receive nothing); when the plan's sender is another rank, that holder
     sends the HF tensors to it point to point."""
@@ -159,9 +197,13 @@ def _walk(arch: HFArch, chunks: list, groups: ParallelGroups, plan: list[ExportI
         if [i.name for i in items] != list(entry.rule.hf) or len({i.sender for i in items}) != 1:
             raise ValueError(f"the export plan does not match this model at {entry.rule.hf}: "
                              f"{[(i.name, i.sender) for i in items]}")
-        sender, holder = items[0].sender, _holder(groups, entry)
+        sender = items[0].sender
+        # a replicated parameter is gathered on the sender's replica when the sender holds one
+        # (the owners' plan spreads them over the EP ranks), else on replica 0
+        replica = _replicas(groups, entry.pp_rank).get(sender, 0) if entry.ep_rank is None else 0
+        holder = _holder(groups, entry, replica)
         tensors = None
-        if _gathers(groups, entry):
+        if _gathers(groups, entry, replica):
             local = value(_local_param(chunks[entry.vp], entry.layer, entry.suffix)).detach()
             size, rank_in_group = split_of(entry.rule, groups)
             group = groups.tp_group if entry.ep_rank is None else groups.etp_group

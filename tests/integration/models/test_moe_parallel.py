@@ -158,10 +158,13 @@ def test_moe_impossible_layouts_fail_before_a_model_is_built(run):
 @pytest.mark.parametrize("layout", ["ep2", "etp2_ep2", "pp2_ep2", "tp2_ep2"])
 def test_moe_owned_export_sends_each_expert_from_its_ep_rank(layout, run):
     """sync.senders=owners at expert layouts: a routed expert is sent by the rank holding it (its EP
-    rank's expert-TP rank 0 in expert-data-parallel replica 0), every other tensor by its stage's
-    TP rank 0 of replica 0, nothing by anyone else; an export gathers only within a rank's TP or
-    expert-TP group and receives nothing point to point (no rank gets another EP rank's experts);
-    the in-process sync of that plan hands the engine exactly the checkpoint's HF tensors."""
+    rank's expert-TP rank 0 in expert-data-parallel replica 0), every other tensor by a rank of its
+    stage that holds it whole (TP rank 0, CP rank 0 of a replica) and is one of those expert
+    owners where such ranks exist (else replica 0), the replicated tensors spread so that no
+    sender carries more than its even share of the stage plus the largest replicated tensor;
+    nothing by anyone else; an export gathers only within a rank's TP or expert-TP group and
+    receives nothing point to point (no rank gets another EP rank's experts); the in-process sync
+    of that plan hands the engine exactly the checkpoint's HF tensors."""
     from safetensors.torch import load_file
 
     got = run["load"]("owned_sync")[layout]
@@ -176,17 +179,26 @@ def test_moe_owned_export_sends_each_expert_from_its_ep_rank(layout, run):
             return int(name.split(".")[2]) // (layers // pp)
         return 0 if "embed_tokens" in name else pp - 1
 
-    def sender(name: str) -> int:
-        parts = name.split(".")
-        if ".mlp.experts." in name:  # routed expert: held by one EP rank
-            want = dict(pp=stage(name), ep=int(parts[5]) // (experts // ep), etp=0, edp=0)
-        else:
-            want = dict(pp=stage(name), tp=0, cp=0, dp=0)
-        (rank,) = [r for r, p in enumerate(places) if all(p[k] == v for k, v in want.items())]
-        return rank
+    def owner(name: str, **want) -> list[int]:
+        return [r for r, p in enumerate(places) if p["pp"] == stage(name) and all(p[k] == v for k, v in want.items())]
 
+    sent = {n: r for r, mine in enumerate(got["ranks"]) for n in mine["names"]}
+    assert sorted(sent) == sorted(original) and sum(len(m["names"]) for m in got["ranks"]) == len(original)
+    load, largest = {}, {}
+    for name, rank in sent.items():
+        if ".mlp.experts." in name:  # routed expert: held by one EP rank
+            assert [rank] == owner(name, ep=int(name.split(".")[5]) // (experts // ep), etp=0, edp=0), (layout, name)
+        else:  # replicated: a whole holder, an expert owner where one is
+            holders = owner(name, tp=0, cp=0)
+            owners = [r for r in holders if places[r]["etp"] == 0 and places[r]["edp"] == 0]
+            assert rank in (owners or owner(name, tp=0, cp=0, dp=0)), (layout, name, rank)
+            largest[stage(name)] = max(largest.get(stage(name), 0), original[name].numel())
+        load.setdefault(stage(name), {}).setdefault(rank, 0)
+        load[stage(name)][rank] += original[name].numel()
+    for st, per_rank in load.items():  # spread: within the largest replicated tensor of an even share
+        if len(per_rank) > 1:
+            assert max(per_rank.values()) <= sum(per_rank.values()) / len(per_rank) + largest[st], (layout, per_rank)
     for rank, mine in enumerate(got["ranks"]):
-        assert sorted(mine["names"]) == sorted(n for n in original if sender(n) == rank), (layout, rank)
         assert mine["recv"] == 0
         assert all(group in (mine["tp_ranks"], mine["etp_ranks"]) for group in map(list, mine["gather_groups"]))
     assert len(got["senders"]) > 1
