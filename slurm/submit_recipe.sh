@@ -5,10 +5,11 @@
 #
 #   slurm/submit_recipe.sh                       # 7B, 4 nodes x 8 GPUs
 #   SIZE=32b NODES=8 slurm/submit_recipe.sh      # 32B
+#   SIZE=30b_a3b NODES=4 slurm/submit_recipe.sh  # Qwen3-30B-A3B (Mixture-of-Experts, EP 8)
 #   FIRST_STAGE=2 slurm/submit_recipe.sh         # stage 1 already done
 #   AFTER=12345 slurm/submit_recipe.sh           # the first job waits for job 12345 too
 #
-# Settings (environment): SIZE (7b|32b, default 7b), CONFIG_DIR (default configs/skywork_or1/$SIZE),
+# Settings (environment): SIZE (7b|32b|30b_a3b, default 7b), CONFIG_DIR (default configs/skywork_or1/$SIZE),
 # RUN_DIR (default runs/skywork_or1_$SIZE), NODES, GPUS_PER_NODE, TIME, PARTITION, ACCOUNT,
 # EXCLUSIVE (1: --exclusive, default 1), SBATCH_EXTRA (more sbatch flags), FIRST_STAGE, LAST_STAGE,
 # AFTER; everything slurm/common.sh reads (CONTAINER, VENV, ROLLOUT_PLACEMENT, ...) passes through.
@@ -18,7 +19,7 @@ home="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=slurm/env_checks.sh
 source "$home/slurm/env_checks.sh"
 # Every variable this script reads, checked before any is used (one line, exit 2); the jobs check theirs.
-mrl_need_choice SIZE 7b 32b || true
+mrl_need_choice SIZE 7b 32b 30b_a3b || true
 mrl_need_dir CONFIG_DIR "config directory" || true
 mrl_need_int NODES 1 || true
 mrl_need_int GPUS_PER_NODE 1 || true

@@ -113,9 +113,12 @@ def validate_cross(cfg: RunConfig) -> None:
             if getattr(par, name) > 1:
                 raise ConfigError(f"policy.parallel.{name}", f"{getattr(par, name)} needs as many trainer processes, "
                                                              f"but {IN_PROCESS_ENGINE_ONE_RANK}")
-    pp = cfg.policy.parallel.pipeline_parallel
-    if cfg.sync.transport in ONE_SENDER and cfg.sync.senders == "owners" and pp > 1:
-        raise ConfigError("sync.senders", f"'owners' streams from each of the pipeline_parallel={pp} stages, "
+    par = cfg.policy.parallel
+    # the owners' plan has a sender per pipeline stage and, with expert parallelism, per EP rank
+    many = [f"{k}={getattr(par, k)}" for k in ("pipeline_parallel", "expert_parallel") if getattr(par, k) > 1]
+    if cfg.sync.transport in ONE_SENDER and cfg.sync.senders == "owners" and many:
+        raise ConfigError("sync.senders", f"'owners' streams from several trainer ranks ({', '.join(many)}: "
+                                          f"each stage its layers, each EP rank its experts), "
                                           f"but vLLM's {cfg.sync.transport} engine receives from one trainer "
                                           f"rank: set sync.senders=gather (rank 0 gathers the model and "
                                           f"sends it), or use sync.transport=gloo")

@@ -71,10 +71,11 @@ SERVERS = ["rollout.engine=vllm_server", "rollout.placement=external", "rollout.
 
 
 @pytest.mark.parametrize("transport", ["nccl", "ipc"])
-def test_one_sender_transports_refuse_owners_with_pipeline_stages_naming_the_key(transport):
-    with pytest.raises(ConfigError, match=f"vLLM's {transport} engine receives from one trainer rank") as e:
-        load_run_config(None, [*BASE, *SERVERS, f"sync.transport={transport}", "policy.parallel.pipeline_parallel=2"])
-    assert e.value.key == "sync.senders"
+def test_one_sender_transports_refuse_owners_with_stages_or_expert_ranks_naming_the_key(transport):
+    for many in ("policy.parallel.pipeline_parallel=2", "policy.parallel.expert_parallel=2"):
+        with pytest.raises(ConfigError, match=f"vLLM's {transport} engine receives from one trainer rank") as e:
+            load_run_config(None, [*BASE, *SERVERS, f"sync.transport={transport}", many])
+        assert e.value.key == "sync.senders" and many.split(".")[-1] in str(e.value)
     for ok in (["sync.senders=gather", "policy.parallel.pipeline_parallel=2"], ["policy.parallel.tensor_parallel=2"]):
         load_run_config(None, [*BASE, *SERVERS, f"sync.transport={transport}", *ok])
     load_run_config(None, [*BASE, *SERVERS, "sync.transport=gloo", "policy.parallel.pipeline_parallel=2"])
