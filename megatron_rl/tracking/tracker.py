@@ -47,6 +47,12 @@ class Tracker:
     def _start_wandb(self, config_dict: dict) -> None:
         import wandb
 
+        # The trainer owns its W&B service. wandb.init() writes its service's address into
+        # WANDB_SERVICE, which child processes inherit: a trainer started from a process that uses
+        # W&B (a notebook, a launcher, a test session) would join that process's service, and after
+        # a kill -9 its run's stream would stay open there, so the resumed trainer is refused
+        # ("run ID ... is in use"). A service started here dies with the trainer's job.
+        os.environ.pop("WANDB_SERVICE", None)
         os.environ.setdefault("WANDB_DIR", str(self.run_dir))
         os.environ.setdefault("WANDB_CACHE_DIR", str(self.run_dir / ".wandb_cache"))
         os.environ.setdefault("WANDB_SILENT", "true")

@@ -78,7 +78,7 @@ def test_launch_scripts_check_every_variable_first(tmp_path):
                                ("MRL_STOP_FILE: its directory does not exist",)),
         "node MEGATRON_RL_HOME": (node, {"MEGATRON_RL_HOME": str(tmp_path / "nowhere")},
                                   ("MEGATRON_RL_HOME: no such checkout directory",)),
-        "SIZE": (submit, {"SIZE": "13b"}, ("SIZE must be 7b or 32b, got '13b'",)),
+        "SIZE": (submit, {"SIZE": "13b"}, ("SIZE must be 7b or 32b or 30b_a3b, got '13b'",)),
         "NODES": (submit, {"NODES": "two"}, ("NODES must be a whole number >= 1",)),
         "GPUS_PER_NODE": (submit, {"GPUS_PER_NODE": "0"}, ("GPUS_PER_NODE must be >= 1, got 0",)),
         "FIRST_STAGE": (submit, {"FIRST_STAGE": "4"}, ("FIRST_STAGE must be >= 1 and <= 3, got 4",)),
