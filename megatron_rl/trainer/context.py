@@ -113,6 +113,7 @@ class Context:
 def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop: StopRequest) -> Context:
     """Policy on every rank; engines, rewards, data and tracker on the driver; the weight sync."""
     from megatron_rl.models.hf_config import HFModelError, read_hf_config
+    from megatron_rl.models.parallel import check_layout
     from megatron_rl.trainer.schema import check_model_limits, check_routing_replay
 
     # The model's own limits, before anything is built from it (or its libraries imported).
@@ -120,6 +121,8 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
     max_positions = arch.max_position_embeddings
     check_model_limits(cfg, max_positions, str(Path(model_path) / "config.json"))
     check_routing_replay(cfg, getattr(arch, "is_moe", False), str(Path(model_path) / "config.json"))
+    # the layout against the model (heads, layers, experts), before any server starts
+    check_layout(cfg.policy.parallel, groups.world_size, arch.shape)
 
     from transformers import AutoTokenizer
 
