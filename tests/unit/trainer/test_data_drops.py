@@ -25,7 +25,7 @@ def tok():
 def _write(path, prompts, bad=()):
     with path.open("w") as f:
         for i, p in enumerate(prompts):
-            f.write(json.dumps({"prompt": p, "reward_model": {"ground_truth": str(i)},
+            f.write(json.dumps({"prompt": p, "reward_model": {"ground_truth": str(i), "style": "math"},
                                 "extra_info": {"solution": str(i)}}) + "\n")
         for line in bad:
             f.write(line + "\n")
@@ -92,7 +92,7 @@ def test_difficulty_filter_drops_are_counted(tmp_path, tok, caplog):
     p = tmp_path / "d.jsonl"
     with p.open("w") as f:
         for i, label in enumerate(["hard", "solved", "hard"]):
-            f.write(json.dumps({"prompt": f"{i}+{i}=", "reward_model": {"ground_truth": "0"},
+            f.write(json.dumps({"prompt": f"{i}+{i}=", "reward_model": {"ground_truth": "0", "style": "math"},
                                 "extra_info": {"difficulty": {"label": label, "pass_rate": 0.5}}}) + "\n")
     caplog.set_level(logging.WARNING, logger="megatron_rl")
     recs, stats = load_prompts(p, tok, DataConfig(keep_labels=["hard"], chat_template="never"))

@@ -81,7 +81,7 @@ def _rows(tmp_path, solutions) -> str:
     with p.open("w") as f:
         for i, sol in enumerate(solutions):
             extra = {} if sol is None else {"solution": sol}
-            f.write(json.dumps({"prompt": f"{i}+{i}=", "reward_model": {"ground_truth": str(2 * i)},
+            f.write(json.dumps({"prompt": f"{i}+{i}=", "reward_model": {"ground_truth": str(2 * i), "style": "math"},
                                 "extra_info": extra}) + "\n")
     return str(p)
 
@@ -166,7 +166,7 @@ def test_difficulty_refuses_a_prompt_plus_max_tokens_beyond_the_model_before_the
         check_fits(257, tiny_llama, "x")
 
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p, "reward_model": {"ground_truth": "1"}}) + "\n"
+    data.write_text("".join(json.dumps({"prompt": p, "reward_model": {"ground_truth": "1", "style": "math"}}) + "\n"
                             for p in ("1+0=", "10000+0=", "2+0=")))
     cfg = DifficultyConfig.from_dict({"max_tokens": 250})
     with pytest.raises(ConfigError) as e:
