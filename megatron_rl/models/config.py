@@ -103,7 +103,9 @@ class ParallelConfig(ConfigBase):
 
 @dataclasses.dataclass(kw_only=True)
 class OptimConfig(ConfigBase):
-    """AdamW with Megatron's gradient clipping and learning-rate schedule."""
+    """AdamW with Megatron's gradient clipping and learning-rate schedule. A stage that starts from
+    a checkpoint (the previous stage's, a resume, ``trainer.init_from``) continues its step count and
+    Adam moments under these settings, not the checkpoint's."""
 
     # Peak learning rate (after warm-up).
     lr: float = ranged(1e-6, ge=0.0)

@@ -32,7 +32,12 @@ def wrap_for_training(chunks: list, cfg: PolicyConfig, dtype: torch.dtype):
         optimizer, init_lr=0.0, max_lr=oc.lr, min_lr=oc.min_lr,
         lr_warmup_steps=oc.lr_warmup_steps, lr_decay_steps=decay_steps,
         lr_decay_style=oc.lr_decay_style, start_wd=oc.weight_decay, end_wd=oc.weight_decay,
-        wd_incr_steps=decay_steps, wd_incr_style="constant")
+        wd_incr_steps=decay_steps, wd_incr_style="constant",
+        # A checkpoint brings back the step count, never the schedule's settings: the run's config
+        # sets the peak / minimum lr, warm-up, decay and weight decay (Megatron's default keeps the
+        # checkpoint's, so a new lr for a stage that starts from the previous stage's checkpoint or
+        # from trainer.init_from was silently ignored).
+        override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)
     # Sum, never average: calculate_per_token_loss=True keeps Megatron from dividing the loss by
     # the micro-batch count and DDP from scaling by 1/DP; finalize without token scaling.
     config.finalize_model_grads_func = (

@@ -136,8 +136,8 @@ class MegatronPolicy(PolicyForward):
 
     def set_lr(self, lr: float) -> None:
         """Make ``lr`` the peak learning rate from now on (warm-up/decay shape and the step count
-        stay; ``min_lr`` is capped at ``lr``). Saved with the next checkpoint; a later
-        :meth:`load_checkpoint` brings back the checkpoint's own value."""
+        stay; ``min_lr`` is capped at ``lr``). A later :meth:`load_checkpoint` keeps the step count
+        and returns to the config's schedule (``policy.optim``): callers set it again after a load."""
         s = self.scheduler
         s.max_lr = float(lr)
         s.min_lr = min(s.min_lr, float(lr))

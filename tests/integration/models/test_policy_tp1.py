@@ -111,3 +111,23 @@ def test_lr_schedule_and_set_lr(hf_dirs, groups):
     fresh = _policy(hf_dirs["llama"], groups, lr=1e-3)
     fresh.set_lr(3e-3)
     assert fresh.train_step(batch, loss_fn, 1.0, with_entropy=True)["lr"] == pytest.approx(3e-3)
+
+
+def test_lr_schedule_after_a_checkpoint_load_is_the_configs_at_the_checkpoints_step(hf_dirs, groups, tmp_path):
+    """A run that starts from a checkpoint (the previous stage's, trainer.init_from) with another
+    peak lr in its config trains with that lr (Megatron's scheduler kept the checkpoint's, so the
+    new value was silently ignored); the warm-up / decay position carries over."""
+    sched = dict(min_lr=1e-5, lr_warmup_steps=4, lr_decay_style="linear", lr_decay_steps=8)
+    a = _policy(hf_dirs["llama"], groups, lr=1e-3, **sched)
+    batch = make_batch(LENGTHS[:2], PROMPTS[:2])
+    loss_fn = make_loss_fn(batch)
+    assert [a.train_step(batch, loss_fn, 1.0, with_entropy=True)["lr"] for _ in range(2)] == \
+        pytest.approx([1e-3 / 4, 2e-3 / 4])
+    a.save_checkpoint(tmp_path / "ckpt")
+    b = _policy(hf_dirs["llama"], groups, lr=2e-3, **sched)
+    b.load_checkpoint(tmp_path / "ckpt")
+    # Megatron's warm-up: max_lr * step / warmup_steps; step 3 of 4 at the new peak
+    assert b.train_step(batch, loss_fn, 1.0, with_entropy=True)["lr"] == pytest.approx(2e-3 * 3 / 4)
+    same = _policy(hf_dirs["llama"], groups, lr=1e-3, **sched)  # the same config resumes the same schedule
+    same.load_checkpoint(tmp_path / "ckpt")
+    assert same.train_step(batch, loss_fn, 1.0, with_entropy=True)["lr"] == pytest.approx(1e-3 * 3 / 4)
