@@ -96,19 +96,17 @@ def load_checkpoint(policy: Checkpointable, ckpt_dir: str | Path) -> None:
         raise ValueError(f"{path} was written with use_distributed_optimizer={saved}, this "
                          f"policy has {ours}: Megatron stores the two optimizers' states differently")
     init_optimizer_state(policy.optimizer)
-    # the schedule's settings stay this policy's (its config, or a later set_lr): the checkpoint
-    # brings back the step count and the optimizer's moments, not its peak / minimum lr, which the
-    # optimizer's parameter groups carry too (the scheduler reads them first)
-    bounds = [(g.get("max_lr"), g.get("min_lr")) for g in policy.optimizer.param_groups]
+    # the optimizer's settings stay this policy's (its config, or a later set_lr): the checkpoint
+    # brings back the step count and the Adam moments, not the hyperparameters its parameter groups
+    # also saved (peak / minimum lr, which the scheduler reads first, betas, eps)
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in policy.optimizer.param_groups]
     with megatron_cpu_scope():
         loaded = dist_checkpointing.load(_sharded_state_dict(policy, is_loading=True), str(path))
         for i, chunk in enumerate(policy.model):
             chunk.module.load_state_dict(loaded[f"model_chunk{i}"])
         policy.optimizer.load_state_dict(loaded["optimizer"])
-        for group, (max_lr, min_lr) in zip(policy.optimizer.param_groups, bounds):
-            for key, value in (("max_lr", max_lr), ("min_lr", min_lr)):
-                if value is not None:
-                    group[key] = value
+        for group, mine in zip(policy.optimizer.param_groups, settings):
+            group.update(mine)
         policy.scheduler.load_state_dict(loaded["scheduler"])  # its settings: this policy's (optimizer.py)
     policy.steps = int(loaded["steps"])
     rng_file = path / _RNG_DIR / f"rank{g.rank}.pt"

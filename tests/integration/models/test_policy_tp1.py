@@ -124,8 +124,9 @@ def test_lr_schedule_after_a_checkpoint_load_is_the_configs_at_the_checkpoints_s
     assert [a.train_step(batch, loss_fn, 1.0, with_entropy=True)["lr"] for _ in range(2)] == \
         pytest.approx([1e-3 / 4, 2e-3 / 4])
     a.save_checkpoint(tmp_path / "ckpt")
-    b = _policy(hf_dirs["llama"], groups, lr=2e-3, **sched)
+    b = _policy(hf_dirs["llama"], groups, lr=2e-3, adam_beta2=0.98, adam_eps=1e-6, **sched)
     b.load_checkpoint(tmp_path / "ckpt")
+    assert all(g["betas"][1] == 0.98 and g["eps"] == 1e-6 for g in b.optimizer.param_groups)
     # Megatron's warm-up: max_lr * step / warmup_steps; step 3 of 4 at the new peak
     assert b.train_step(batch, loss_fn, 1.0, with_entropy=True)["lr"] == pytest.approx(2e-3 * 3 / 4)
     same = _policy(hf_dirs["llama"], groups, lr=1e-3, **sched)  # the same config resumes the same schedule
