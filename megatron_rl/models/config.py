@@ -69,7 +69,21 @@ class ParallelConfig(ConfigBase):
         if world_size % (tp * pp * cp):
             self.fail("tensor_parallel", f"{what} = {tp * pp * cp} does not divide the world size "
                                          f"{world_size}{from_}")
+        self.check_expert_world(world_size, where)
         return world_size // (tp * pp * cp)
+
+    def check_expert_world(self, world_size: int, where: str = "") -> None:
+        """The experts' grid on the same ranks: expert_tensor_parallel x expert_parallel x
+        pipeline_parallel must divide the world size (whether the model has experts at all is
+        checked where its config is read)."""
+        ep, etp, pp = self.expert_parallel, self.etp, self.pipeline_parallel
+        if ep == 1 and self.expert_tensor_parallel is None:
+            return
+        if world_size % (etp * ep * pp):
+            from_ = f" ({where})" if where else ""
+            self.fail("expert_parallel" if ep > 1 else "expert_tensor_parallel",
+                      f"expert_tensor_parallel ({etp}) x expert_parallel ({ep}) x pipeline_parallel ({pp}) = "
+                      f"{etp * ep * pp} does not divide the world size {world_size}{from_}")
 
     @property
     def etp(self) -> int:

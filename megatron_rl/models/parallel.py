@@ -196,21 +196,14 @@ def check_layout(cfg: ParallelConfig, world_size: int, shape: ModelShape | None 
 def _check_expert_layout(cfg: ParallelConfig, world_size: int, shape: ModelShape | None) -> None:
     """The expert grid: refused for dense models; EP x ETP x PP divides the world, EP the experts,
     ETP each expert's width; tensor parallelism with experts needs sequence parallelism."""
-    ep, etp, pp = cfg.expert_parallel, cfg.etp, cfg.pipeline_parallel
+    ep, etp = cfg.expert_parallel, cfg.etp
     if shape is not None and shape.num_experts == 0:
         for key, value in (("expert_parallel", ep), ("expert_tensor_parallel",
                                                       cfg.expert_tensor_parallel)):
             if value not in (None, 1):
                 cfg.fail(key, f"={value} needs a Mixture-of-Experts model; this model is dense")
         return
-    if ep == 1 and cfg.expert_tensor_parallel is None:
-        what = None
-    else:
-        what = (f"expert_tensor_parallel ({etp}) x expert_parallel ({ep}) x pipeline_parallel "
-                f"({pp}) = {etp * ep * pp}")
-    if what and world_size % (etp * ep * pp):
-        key = "expert_parallel" if ep > 1 else "expert_tensor_parallel"
-        cfg.fail(key, f"{what} does not divide the world size {world_size}")
+    cfg.check_expert_world(world_size)
     if shape is None:
         return
     if shape.num_experts % ep:

@@ -12,7 +12,8 @@ from megatron_rl.rewards.base import (Outcome, RewardItem, get_style, register_r
                                       registered_styles)
 from megatron_rl.rewards.config import (CodeConfig, JudgeConfig, MathConfig, RewardConfig,
                                         SandboxConfig)
-from megatron_rl.rewards.manager import RewardManager
+from megatron_rl.rewards.manager import RewardDataError, RewardManager, check_reward_styles
 
 __all__ = ["RewardItem", "Outcome", "RewardConfig", "MathConfig", "CodeConfig", "JudgeConfig",
-           "SandboxConfig", "RewardManager", "register_reward", "get_style", "registered_styles"]
+           "SandboxConfig", "RewardManager", "RewardDataError", "check_reward_styles", "register_reward",
+           "get_style", "registered_styles"]

@@ -51,6 +51,9 @@ class RewardStyle:
     timeout_section: str
     # Scored by the judge endpoint (``reward.judge``), as concurrent requests for the whole batch.
     judged: bool = False
+    # Runs the response's program in the code sandbox (``reward.code.sandbox``): a run whose prompts
+    # use it checks at start-up that the sandbox starts here.
+    sandboxed: bool = False
 
 
 REWARD_STYLES: Registry[RewardStyle] = Registry(
@@ -58,7 +61,7 @@ REWARD_STYLES: Registry[RewardStyle] = Registry(
 
 
 def register_reward(name: str, *, pooled: bool = False, timeout_section: str = "math",
-                    judged: bool = False):
+                    judged: bool = False, sandboxed: bool = False):
     """Decorator: register ``fn(item, cfg: RewardConfig) -> Outcome`` as reward style ``name``.
 
     Pooled functions must be importable module-level functions (the pool workers import the
@@ -66,7 +69,7 @@ def register_reward(name: str, *, pooled: bool = False, timeout_section: str = "
     """
 
     def deco(fn):
-        REWARD_STYLES.add(name, RewardStyle(name, fn, pooled, timeout_section, judged))
+        REWARD_STYLES.add(name, RewardStyle(name, fn, pooled, timeout_section, judged, sandboxed))
         return fn
 
     return deco

@@ -184,7 +184,7 @@ def _call_matches(got, want) -> bool:
     return isinstance(want, list) and len(want) == 1 and got == want[0]
 
 
-@register_reward("code", pooled=True, timeout_section="code")
+@register_reward("code", pooled=True, timeout_section="code", sandboxed=True)
 def code_reward(item: RewardItem, cfg) -> Outcome:
     ccfg = cfg.code
     program = extract_code(item.response)

@@ -12,6 +12,7 @@ import logging
 import time
 from collections import Counter, defaultdict
 
+from megatron_rl.common.errors import InputError
 from megatron_rl.rewards.base import (CORRECT, ERROR, TIMEOUT, UNPARSABLE, WRONG, Outcome, RewardItem,
                                       get_style, registered_styles)
 from megatron_rl.rewards.config import RewardConfig
@@ -169,3 +170,34 @@ class RewardManager:
             self.close()
         except Exception:
             pass
+
+
+class RewardDataError(InputError, ValueError):
+    """A prompt's reward style resolves to no registered style, or needs what cannot run here."""
+
+
+def check_reward_styles(cfg: RewardConfig, records, path: str) -> dict[str, int]:
+    """Resolve the reward style of every prompt of ``path`` (records with ``style``,
+    ``data_source`` and ``row``) as scoring will, before anything is built: a RewardDataError naming
+    the file and row of the first that resolves to nothing (scoring would fail mid-run), and, when
+    some are scored by a style that runs programs, one when the code sandbox cannot start here (every
+    such sample would be a counted zero: the run would train on nothing). Returns prompts per style."""
+    manager = RewardManager(cfg)
+    counts: dict[str, int] = {}
+    for r in records:
+        try:
+            style = manager.resolve_style(r.style, r.data_source)
+        except KeyError as exc:
+            raise RewardDataError(f"{path}: row {r.row}: {exc.args[0]}, or set reward.default_style") from None
+        counts[style] = counts.get(style, 0) + 1
+    sandboxed = sorted(s for s in counts if get_style(s).sandboxed)
+    if sandboxed:
+        from megatron_rl.rewards.sandbox import Sandbox, SandboxUnavailable
+
+        try:
+            Sandbox(cfg.code.sandbox)
+        except SandboxUnavailable as exc:
+            raise RewardDataError(f"{path}: {sum(counts[s] for s in sandboxed)} prompts are scored by reward "
+                                  f"style {', '.join(sandboxed)}, which runs the responses' programs in the "
+                                  f"sandbox: {exc}") from None
+    return counts

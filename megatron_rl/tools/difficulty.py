@@ -175,7 +175,7 @@ def run(data_path: str, model_path: str, out_path: str, summary_path: str | None
     """Label a dataset end to end; ``engine`` defaults to ``make_engine(model_path, cfg.rollout)``."""
     from transformers import AutoTokenizer
 
-    from megatron_rl.rewards import RewardManager
+    from megatron_rl.rewards import RewardManager, check_reward_styles
 
     cfg.validate()
     for what, path in (("data", data_path), ("model", model_path)):
@@ -189,6 +189,7 @@ def run(data_path: str, model_path: str, out_path: str, summary_path: str | None
     t0 = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     records, stats = load_prompts(data_path, tokenizer, cfg.data)
+    check_reward_styles(cfg.reward, records, str(data_path))  # each row scores, before the engine starts
     own_engine = engine is None
     if own_engine:
         from megatron_rl.rollout import make_engine

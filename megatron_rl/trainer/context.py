@@ -113,6 +113,7 @@ class Context:
 def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop: StopRequest) -> Context:
     """Policy on every rank; engines, rewards, data and tracker on the driver; the weight sync."""
     from megatron_rl.models.hf_config import HFModelError, read_hf_config
+    from megatron_rl.models.parallel import check_layout
     from megatron_rl.trainer.schema import check_model_limits, check_routing_replay
 
     # The model's own limits, before anything is built from it (or its libraries imported).
@@ -120,6 +121,8 @@ def build_context(cfg: RunConfig, groups: ParallelGroups, model_path: str, stop:
     max_positions = arch.max_position_embeddings
     check_model_limits(cfg, max_positions, str(Path(model_path) / "config.json"))
     check_routing_replay(cfg, getattr(arch, "is_moe", False), str(Path(model_path) / "config.json"))
+    # the layout against the model (heads, layers, experts), before any server starts
+    check_layout(cfg.policy.parallel, groups.world_size, arch.shape)
 
     from transformers import AutoTokenizer
 
@@ -222,7 +225,8 @@ def load_run_data(cfg: RunConfig, tokenizer, max_positions: int | None = None
     longer than ``rollout.max_prompt_len`` (what the engines are sized for) or a stricter
     ``data.max_prompt_len`` are dropped and counted; a :class:`DataError` names the file when one
     cannot serve the run, and the file and row of an SFT problem without a reference solution or
-    whose prompt + solution exceeds the model's ``max_positions``."""
+    whose prompt + solution exceeds the model's ``max_positions``, or of a prompt whose reward style
+    resolves to none (a RewardDataError, as is a code-scored set on a machine without the sandbox)."""
     from megatron_rl.data import DataConfig, DataError, load_prompts
 
     max_len = min(n for n in (cfg.rollout.max_prompt_len, cfg.data.max_prompt_len) if n > 0)
@@ -251,6 +255,12 @@ def load_run_data(cfg: RunConfig, tokenizer, max_positions: int | None = None
                         stats["dropped"], stats["rows"], len(held_out))
         if cfg.eval.size:
             held_out = held_out[: cfg.eval.size]
+    from megatron_rl.rewards import check_reward_styles
+
+    for path, records in ((cfg.data.train_path, train), (cfg.eval.path, held_out)):  # what gets scored
+        counts = check_reward_styles(cfg.reward, records, path)
+        if counts:
+            log.info("%s: prompts per reward style: %s", path, counts)
     return train, sft, held_out
 
 

@@ -74,3 +74,18 @@ def test_evaluation_too_long_for_the_model_names_key_and_numbers(tmp_path, model
     for text in ("rollout.eval_max_tokens", "evaluation", "64", "300", "364", "256",
                  os.path.join(model, "config.json")):
         assert text in line, line
+
+
+def test_reward_style_that_resolves_to_nothing_is_one_line_before_anything_is_built(tmp_path, model):
+    """Scoring resolves each prompt's style; one that maps to no registered style failed the run at
+    its first reward, after the policy and the engines were built."""
+    data = tmp_path / "train.jsonl"
+    rows = [{"prompt": "1+1?", "reward_model": {"ground_truth": "2", "style": "math"}},
+            {"prompt": "2+2?", "data_source": "my_set", "reward_model": {"ground_truth": "4", "style": "rule"}}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, err = _train(tmp_path, _config(model, str(data)))
+    assert code == 2, err[-3000:]
+    line = _one_line(err)
+    for text in (str(data), "row 2", "style='rule'", "data_source='my_set'", "reward.style_map",
+                 "reward.default_style"):
+        assert text in line, line

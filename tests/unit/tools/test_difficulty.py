@@ -150,3 +150,21 @@ def test_config_is_validated():
         DifficultyConfig.from_dict({"agree_frac": 0.0}).validate()
     with pytest.raises(ConfigError, match="unknown key"):
         DifficultyConfig.from_dict({"kk": 3})
+
+
+def test_difficulty_refuses_a_row_whose_reward_style_resolves_to_nothing_before_the_engine(tmp_path):
+    """Each row is scored, so each style is resolved before the engine starts (the model directory
+    here has a tokenizer only: reaching the engine would fail on its missing config instead)."""
+    from megatron_rl.demo import build_bpe_tokenizer
+    from megatron_rl.rewards import RewardDataError
+
+    model = tmp_path / "model"
+    build_bpe_tokenizer().save_pretrained(model)
+    rows = [{"data_source": "toy", "prompt": "1+2=", "reward_model": {"style": "exact_boxed", "ground_truth": "3"}},
+            {"data_source": "toy", "prompt": "3+4=", "reward_model": {"style": "numbers", "ground_truth": "7"}}]
+    src = tmp_path / "toy.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(RewardDataError) as e:
+        run(str(src), str(model), str(tmp_path / "out.jsonl"), None, DifficultyConfig(k=2))
+    assert f"{src}: row 2:" in str(e.value) and "style='numbers'" in str(e.value), str(e.value)
+    assert not (tmp_path / "out.jsonl").exists()

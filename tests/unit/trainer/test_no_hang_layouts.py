@@ -82,3 +82,17 @@ def test_no_hang_a_failed_collective_names_what_it_waited_for():
     with pytest.raises(ValueError):  # not a collective's failure: as it is
         with named_collective("x", 1.0):
             raise ValueError("a bug")
+
+
+def test_no_hang_an_expert_grid_that_does_not_fit_the_world_is_refused_before_it_starts():
+    """EP x ETP x PP must divide the number of trainer processes: said at the entry point (WORLD_SIZE),
+    before the world starts, not by Megatron's group construction on every rank."""
+    moe = DEMO.replace("demo_cpu.yaml", "demo_moe_cpu.yaml")
+    cfg = load_run_config(moe, [*SERVERS, "policy.parallel.expert_parallel=4"])
+    check_world_size(cfg, 4)
+    check_world_size(cfg, 8)
+    with pytest.raises(ConfigError) as e:
+        check_world_size(cfg, 6)
+    assert e.value.key == "policy.parallel.expert_parallel", e.value.key
+    assert "expert_tensor_parallel (1) x expert_parallel (4) x pipeline_parallel (1) = 4 does not divide the " \
+           "world size 6 (WORLD_SIZE)" in str(e.value)
