@@ -124,8 +124,8 @@ def _stage(plain, routed, policy, prompts, group, max_tokens, cfg, args) -> dict
     import torch
 
     from megatron_rl.models.batch import SequenceBatch
-    from megatron_rl.models.packing import pack_micro_batches
-    from megatron_rl.models.routing_replay import micro_batch_routes
+    from megatron_rl.models.packing import pack_micro_batches, packed_layout, padded_layout
+    from megatron_rl.models.routing_replay import micro_batch_routes, router_tokens
     from megatron_rl.rollout import SamplingSpec
     from megatron_rl.trainer import routing_replay
 
@@ -158,9 +158,11 @@ def _stage(plain, routed, policy, prompts, group, max_tokens, cfg, args) -> dict
     t_batch = time.perf_counter() - t0
     lengths = [len(s) for s in seqs]
     t0 = time.perf_counter()
-    for idx in pack_micro_batches(lengths, list(range(len(seqs))), cfg.policy.micro_batch_tokens):
-        seq_len = max(lengths[i] for i in idx)
-        micro_batch_routes(fields, idx, len(idx), torch.arange(seq_len), cfg.model.tiny.num_experts)
+    packed = cfg.policy.packed_sequences
+    for idx in pack_micro_batches(lengths, list(range(len(seqs))), cfg.policy.micro_batch_tokens, packed=packed):
+        mine = [lengths[i] for i in idx]
+        layout = packed_layout(mine, 1) if packed else padded_layout(mine, 1)
+        micro_batch_routes(fields, idx, *router_tokens(layout), cfg.model.tiny.num_experts)
     t_layout = time.perf_counter() - t0
 
     trainer = _policy_passes(policy, batch, args) if policy is not None else {}

@@ -227,9 +227,10 @@ class PolicyConfig(ConfigBase):
     micro_batch_tokens: int = ranged(8192, ge=1)
     # Packed sequences: a micro-batch's sequences concatenated in one row without padding,
     # attention within each (THD: Transformer Engine's kernels on GPUs, ours on the CPU); false:
-    # one right-padded row per sequence. Same log-probs, losses and gradients either way. Dense
-    # models: a Mixture-of-Experts policy keeps the padded layout (its routers' padding mask and
-    # routing replay's router rows are laid out per padded row).
+    # one right-padded row per sequence. Same log-probs, losses and gradients either way, dense or
+    # Mixture-of-Experts (the routers' padding mask leaves each sequence's alignment padding and
+    # the row's tail out of the aux / z-losses and routing statistics; routing replay places every
+    # token's routes through the micro-batch's layout).
     packed_sequences: bool = True
     # Megatron layer spec: te (Transformer Engine: fused norm + linear, fused/flash attention,
     # context parallelism on GPUs; needs CUDA and transformer-engine), local (Megatron-Core's own

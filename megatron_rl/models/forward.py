@@ -111,15 +111,15 @@ class PolicyForward:
     # ---------------------------------------------------------------- schedule plumbing
     def _micro_batches(self, batch: SequenceBatch) -> list[MicroInputs]:
         """This rank's micro-batches of ``batch``: padded or packed, balanced by tokens and
-        attention cost (:func:`~megatron_rl.models.micro_batches.plan_micro_batches`). A
-        Mixture-of-Experts policy keeps the padded layout (one row per sequence: its routers'
-        padding mask and routing replay's router rows are laid out per padded row)."""
+        attention cost (:func:`~megatron_rl.models.micro_batches.plan_micro_batches`). Either
+        layout serves a Mixture-of-Experts policy: its routers' padding mask
+        (``MicroInputs.padding_mask``) and routing replay's router rows follow the micro-batch's
+        ``TokenLayout``."""
         a = self.arch
         weight = attention_weight(a.hidden_size, a.ffn_hidden_size, a.num_heads, a.num_kv_heads,
                                   a.head_dim, a.vocab_size)
-        packed = self.cfg.packed_sequences and not a.is_moe
         return plan_micro_batches(batch, self.groups, self.cfg.micro_batch_tokens,
-                                  packed=packed, attn_weight=weight)
+                                  packed=self.cfg.packed_sequences, attn_weight=weight)
 
     def _token_stats(self, mb: MicroInputs, hidden: torch.Tensor, chunk, temperature: float,
                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -12,12 +12,14 @@ sets each one's target, action and clears it itself; a model it does not hold (t
 keeps routing freely.
 
 Layout. A router sees its micro-batch's tokens as Megatron lays them out: ``[s, b, h]`` flattened,
-so row ``s * b + j`` is local position ``s`` of row ``j`` (sequence-major), where the local positions
-are this rank's: the CP rank's two chunks (:mod:`~megatron_rl.models.context_parallel`), then this
-TP rank's slice of them under sequence parallelism. :func:`micro_batch_routes` builds exactly those
-rows from the per-sequence routes: padding positions and padding rows get filler routes (distinct
-experts, spread round-robin: they only feed outputs nobody reads); :func:`place_recorded` is its
-inverse for recording.
+so router row ``j * rows + b`` is local position ``j`` of model-input row ``b`` (sequence-major), where
+the local positions are this rank's: the CP rank's chunks (``cp_positions`` of the layout's
+segments), then this TP rank's contiguous slice of them under sequence parallelism.
+:func:`router_tokens` names the token of every router row through the micro-batch's
+:class:`~megatron_rl.models.packing.TokenLayout` (padded rows or one packed row: the same code), and
+:func:`micro_batch_routes` / :func:`place_recorded` follow it both ways: padding rows get filler
+routes (distinct experts, spread round-robin: they only feed outputs nobody reads) and are dropped
+when recording.
 
 Recomputation. With activation recomputation the routers run again in the backward pass; Megatron
 then pops the targets in the order they were set (``REPLAY_BACKWARD``), one list per router: after
@@ -32,6 +34,8 @@ import dataclasses
 from collections.abc import Iterable
 
 import torch
+
+from megatron_rl.models.context_parallel import cp_positions
 
 
 @dataclasses.dataclass
@@ -56,45 +60,52 @@ def filler(count: int, layers: int, top_k: int, num_experts: int, offset: int = 
     return (base % num_experts)[:, None, :].expand(count, layers, top_k).clone()
 
 
-def local_positions(position_ids: torch.Tensor, tp_size: int, tp_rank: int, sequence_parallel: bool) -> torch.Tensor:
-    """The sequence positions this rank's routers see, in their row order: the micro-batch's
-    (CP-local) ``position_ids`` row, this TP rank's slice under sequence parallelism."""
-    held = position_ids[0].cpu().long()
+def router_tokens(layout, cp_size: int = 1, cp_rank: int = 0, tp_size: int = 1, tp_rank: int = 0,
+                  sequence_parallel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token ``(k, p)`` (sequence ``k`` of the micro-batch, its position ``p``) each of this rank's
+    router rows holds, -1 in both at padding: ``[local positions * layout.rows]`` in router-row order
+    (row ``j * layout.rows + b``: local position ``j`` of model-input row ``b``).
+
+    ``layout``: the micro-batch's :class:`~megatron_rl.models.packing.TokenLayout` (its
+    :meth:`~megatron_rl.models.packing.TokenLayout.place` puts every token at ``(s, b)``); the local
+    positions are the CP rank's (:func:`~megatron_rl.models.context_parallel.cp_positions` of the
+    layout's segments), then this TP rank's contiguous slice under sequence parallelism."""
+    seq_k = torch.full((layout.seq_len, layout.rows), -1, dtype=torch.long)
+    seq_p = torch.full_like(seq_k, -1)
+    k, p = layout.tokens()
+    s, b = layout.place(k, p)
+    seq_k[s, b], seq_p[s, b] = k, p
+    held = cp_positions(layout.bounds, cp_size, cp_rank) if cp_size > 1 else torch.arange(layout.seq_len)
     if sequence_parallel and tp_size > 1:
         width = held.numel() // tp_size
         held = held[tp_rank * width:(tp_rank + 1) * width]
-    return held
+    return seq_k[held].reshape(-1), seq_p[held].reshape(-1)
 
 
-def micro_batch_routes(routes: list[torch.Tensor], index: list[int], rows: int, positions: torch.Tensor,
+def micro_batch_routes(routes: list[torch.Tensor], index: list[int], k: torch.Tensor, p: torch.Tensor,
                        num_experts: int) -> torch.Tensor:
-    """The router input rows ``[len(positions) * rows, layers, top_k]`` (long) of a micro-batch
-    holding sequences ``index`` (then padding rows) at ``positions`` (:func:`local_positions`), from
-    the per-sequence ``routes``."""
+    """The router rows ``[len(k), layers, top_k]`` (long) of a micro-batch holding sequences ``index``
+    whose rows hold tokens ``(k, p)`` (:func:`router_tokens`), from the per-sequence ``routes``;
+    padding rows (and positions past a sequence's routes) get :func:`filler` routes."""
     first = routes[index[0]]
-    layers, top_k = first.shape[1], first.shape[2]
-    s = positions.numel()
-    out = filler(s * rows, layers, top_k, num_experts).view(s, rows, layers, top_k)
+    out = filler(k.numel(), first.shape[1], first.shape[2], num_experts)
     for j, i in enumerate(index):
         r = routes[i]
-        inside = positions < r.shape[0]
-        out[inside, j] = r[positions[inside]].long()
-    return out.view(s * rows, layers, top_k)
+        at = torch.nonzero((k == j) & (p < r.shape[0]))[:, 0]
+        out[at] = r[p[at]].long()
+    return out
 
 
-def place_recorded(recorded: torch.Tensor, flat: torch.Tensor, starts: list[int], lengths: list[int],
-                   index: list[int], rows: int, positions: torch.Tensor, columns: Iterable[int]) -> None:
-    """Inverse of :func:`micro_batch_routes`: write a micro-batch's recorded router rows
-    (``recorded`` ``[len(positions) * rows, len(columns), top_k]``) into ``flat``
-    ``[total positions, moe_layers, top_k]``, where sequence ``i`` starts at ``starts[i]`` and is
-    ``lengths[i]`` long; padding is dropped. ``columns``: the MoE-layer column of each recorded layer."""
-    s = positions.numel()
-    rec = recorded.view(s, rows, recorded.shape[1], recorded.shape[2])
+def place_recorded(recorded: torch.Tensor, flat: torch.Tensor, starts: list[int], index: list[int],
+                   k: torch.Tensor, p: torch.Tensor, columns: Iterable[int]) -> None:
+    """Inverse of :func:`micro_batch_routes`: write a micro-batch's recorded router rows (``recorded``
+    ``[len(k), len(columns), top_k]``, rows holding tokens ``(k, p)``) into ``flat`` ``[total
+    positions, moe_layers, top_k]``, where sequence ``i`` of the batch starts at ``starts[i]``;
+    padding rows are dropped. ``columns``: the MoE-layer column of each recorded layer."""
+    real = torch.nonzero(k >= 0)[:, 0]
+    at = torch.tensor(starts, dtype=torch.long)[torch.tensor(index, dtype=torch.long)[k[real]]] + p[real]
     cols = torch.tensor(list(columns), dtype=torch.long)
-    for j, i in enumerate(index):
-        inside = positions < lengths[i]
-        at = starts[i] + positions[inside]
-        flat[at[:, None], cols[None, :]] = rec[inside, j].to(flat.dtype)
+    flat[at[:, None], cols[None, :]] = recorded[real].to(flat.dtype)
 
 
 class RoutingReplay:
@@ -143,7 +154,7 @@ class RoutingReplay:
 
         held = self.routers[id(chunk)]
         if routes.replay is not None:
-            rows = micro_batch_routes(routes.replay, mb.index, mb.input_ids.shape[0], self._positions(mb),
+            rows = micro_batch_routes(routes.replay, mb.index, *self._tokens(mb),
                                       self.num_experts).to(mb.input_ids.device)
             for column, replay in held:
                 replay.set_target_indices(rows[:, column].contiguous())
@@ -186,8 +197,7 @@ class RoutingReplay:
         # one writer per (position, layer): the tensor-parallel rank 0 without sequence parallelism
         writes = g.sequence_parallel or g.tp_rank == 0
         for mb, columns, recorded in self._recorded if writes else ():
-            place_recorded(recorded, flat, starts, lengths, mb.index, mb.input_ids.shape[0], self._positions(mb),
-                           columns)
+            place_recorded(recorded, flat, starts, mb.index, *self._tokens(mb), columns)
         if g.world_size > 1:
             on = flat.to(g.device)
             dist.all_reduce(on)  # disjoint contributions: the sum is the gather
@@ -201,6 +211,6 @@ class RoutingReplay:
             replay.clear_router_replay_action()
         self._recorded = []
 
-    def _positions(self, mb) -> torch.Tensor:
+    def _tokens(self, mb) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.groups
-        return local_positions(mb.position_ids, g.tp, g.tp_rank, g.sequence_parallel)
+        return router_tokens(mb.layout, g.cp, g.cp_rank, g.tp, g.tp_rank, g.sequence_parallel)

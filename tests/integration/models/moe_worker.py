@@ -7,7 +7,9 @@ top 2). Each layout case builds the policy, computes log-probs and entropy, the 
 of a fixed batch (TP = PP = CP = 1 layouts), takes one training step (with the load-balancing and
 z-losses on) and saves the numbers, gradients and weights; the pytest side compares them with
 float64 transformers and with the same layout at EP = 1 (the same micro-batches, so the same
-objective). Rank 0 writes OUT_DIR/<case>.pt.
+objective). Layouts run packed (``policy.packed_sequences``, the default); the ``*_padded`` twins
+run the padded layout, and the cases with ``replay`` also record their routes and replay others
+(routing replay in both layouts). Rank 0 writes OUT_DIR/<case>.pt.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from megatron_rl.models import (OptimConfig, ParallelConfig, PolicyConfig,  # no
                                 init_distributed)
 from megatron_rl.models.config import MoEConfig  # noqa: E402
 from megatron_rl.models.policy import MegatronPolicy  # noqa: E402
+from megatron_rl.models.routing_replay import Routes  # noqa: E402
 
 TEMPERATURE = 0.7
 LENGTHS = [12, 7, 20, 5, 16, 9, 14, 6]
@@ -37,12 +40,12 @@ AUX, ZLOSS = 0.05, 0.01
 HIDDEN_IDS = [[5, 17, 33, 2, 40, 11, 9, 28, 3, 50], [7, 7, 21, 44, 13, 0, 0, 0, 0, 0]]
 
 
-def _policy(hf_dir, tp=1, pp=1, cp=1, ep=1, etp=None, distopt=False, tokens=48):
+def _policy(hf_dir, tp=1, pp=1, cp=1, ep=1, etp=None, distopt=False, tokens=48, packed=True):
     par = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp,
                          expert_parallel=ep, expert_tensor_parallel=etp,
                          sequence_parallel=tp > 1, use_distributed_optimizer=distopt,
                          timeout_s=120)
-    cfg = PolicyConfig(parallel=par, micro_batch_tokens=tokens, layer_spec="local",
+    cfg = PolicyConfig(parallel=par, micro_batch_tokens=tokens, layer_spec="local", packed_sequences=packed,
                        optim=OptimConfig(lr=LR, clip_grad=0.0),
                        moe=MoEConfig(aux_loss_coef=AUX, z_loss_coef=ZLOSS))
     return MegatronPolicy.from_hf(str(hf_dir), cfg, init_distributed(par))
@@ -87,16 +90,27 @@ def _micro_batches(policy, batch) -> list[list[int]]:
     return [idx for _, part in sorted(dict(every).items()) for idx in part]
 
 
-def run_layout(out, hf_dir, case, grads=True, hidden=False, **layout):
+def run_layout(out, hf_dir, case, grads=True, hidden=False, replay=False, **layout):
+    """One layout's numbers; ``replay``: the first pass also records its routes, and one more
+    pass replays other routes (every recorded expert moved by one) and records what it routed."""
     policy = _policy(hf_dir, **layout)
     batch = make_batch(LENGTHS, PROMPTS)
-    logps, ents = policy.compute_logprobs(batch, TEMPERATURE)
+    free = Routes(record=True) if replay else None
+    logps, ents = policy.compute_logprobs(batch, TEMPERATURE, routes=free)
+    routes = None
+    if replay:
+        forced = [(r.long() + 1) % policy.arch.moe.num_experts for r in free.recorded]
+        again = Routes(replay=forced, record=True)
+        forced_logps, _ = policy.compute_logprobs(batch, TEMPERATURE, with_entropy=False, routes=again)
+        routes = {"recorded": free.recorded, "forced": forced, "replayed": again.recorded,
+                  "logps": forced_logps}
     states = _hidden_states(policy) if hidden else None
     micro = _micro_batches(policy, batch)
     metrics = policy.train_step(batch, make_loss_fn(batch), TEMPERATURE, with_entropy=True)
     _save(out, case, {"logps": logps, "ents": ents, "metrics": metrics, "hidden": states,
                       "micro": micro, "grads": _export(policy, grads=True) if grads else None,
-                      "weights": _export(policy)})
+                      "weights": _export(policy), "routes": routes,
+                      "packed": policy.cfg.packed_sequences})
 
 
 def run_round_trip(out, hf_root):
@@ -241,16 +255,21 @@ def cases(out: Path, hf_root: Path) -> dict:
     q3, q2 = hf_root / "qwen3_moe", hf_root / "qwen2_moe"
     return {
         "ep1": lambda: run_layout(out, q3, "ep1", hidden=True),
-        "ep2": lambda: run_layout(out, q3, "ep2", hidden=True, ep=2),
+        "ep2": lambda: run_layout(out, q3, "ep2", hidden=True, replay=True, ep=2),
+        "ep2_padded": lambda: run_layout(out, q3, "ep2_padded", replay=True, ep=2, packed=False),
         "ep4": lambda: run_layout(out, q3, "ep4", ep=4),
         "etp2_ep2": lambda: run_layout(out, q3, "etp2_ep2", hidden=True, ep=2, etp=2),
         "tp2_ep1": lambda: run_layout(out, q3, "tp2_ep1", tp=2),
-        "tp2_ep2": lambda: run_layout(out, q3, "tp2_ep2", tp=2, ep=2),
+        "tp2_ep2": lambda: run_layout(out, q3, "tp2_ep2", replay=True, tp=2, ep=2),
         "pp2_ep1": lambda: run_layout(out, q3, "pp2_ep1", pp=2),
-        "pp2_ep2": lambda: run_layout(out, q3, "pp2_ep2", pp=2, ep=2),
+        "pp2_ep2": lambda: run_layout(out, q3, "pp2_ep2", replay=True, pp=2, ep=2),
+        "pp2_ep2_padded": lambda: run_layout(out, q3, "pp2_ep2_padded", replay=True, pp=2, ep=2,
+                                             packed=False),
         "cp2_ep1": lambda: run_layout(out, q3, "cp2_ep1", cp=2),
         "cp2_ep2_distopt": lambda: run_layout(out, q3, "cp2_ep2_distopt", grads=False, cp=2, ep=2,
-                                              distopt=True),
+                                              distopt=True, replay=True),
+        "cp2_ep2_padded": lambda: run_layout(out, q3, "cp2_ep2_padded", replay=True, cp=2, ep=2,
+                                             packed=False),
         "qwen2_tp2_ep2": lambda: run_layout(out, q2, "qwen2_tp2_ep2", tp=2, ep=2),
         "roundtrip": lambda: run_round_trip(out, hf_root),
         "owned_sync": lambda: run_owned_sync(out, hf_root),

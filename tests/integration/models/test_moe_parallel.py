@@ -1,6 +1,12 @@
 """Mixture-of-Experts expert layouts under torchrun (4 ranks, gloo): EP 1 / 2 / 4, expert TP,
 TP x EP, PP x EP, CP x EP with the distributed optimizer, Qwen2-MoE's shared expert at TP x EP,
 HF round trips, checkpoints moving between EP 2 and EP 1 (and from EP 1 to EP 4 and expert TP 2 x EP 2).
+Every layout runs packed (``policy.packed_sequences``); EP2, PP2 x EP2 and CP2 x EP2 also padded
+(packed = padded: log-probs 5e-6, the step's expert load exactly; at EP2, where both group the
+sequences alike, the loss, aux / z-losses and grad norm 1e-5 relative, gradients and weights as the
+EP = 1 twins), and routing replay in both layouts (TP2 x EP2 too): recorded routes equal the padded
+EP2 pass's exactly, replayed routes are routed exactly, log-probs 2e-5 from float64 transformers with
+the same experts forced.
 
 One ``torchrun`` launch runs every case (moe_worker.py, with the dense workers: parallel_worker.py,
 the ``parallel_run`` fixture). Every layout against float64 transformers: log-probs and entropies
@@ -20,15 +26,18 @@ import pytest
 import torch
 
 from moe_testlib import hf_hidden_states, moe_reference
-from policy_testlib import make_batch, max_abs_diff
+from policy_testlib import load_hf_float64, make_batch, max_abs_diff
 
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
-LAYOUTS = ["ep1", "ep2", "ep4", "etp2_ep2", "tp2_ep1", "tp2_ep2", "pp2_ep1", "pp2_ep2", "cp2_ep1",
-           "cp2_ep2_distopt", "qwen2_tp2_ep2"]
+LAYOUTS = ["ep1", "ep2", "ep2_padded", "ep4", "etp2_ep2", "tp2_ep1", "tp2_ep2", "pp2_ep1", "pp2_ep2",
+           "pp2_ep2_padded", "cp2_ep1", "cp2_ep2_distopt", "cp2_ep2_padded", "qwen2_tp2_ep2"]
 TWINS = {"ep2": "ep1", "ep4": "ep1", "etp2_ep2": "ep1", "tp2_ep2": "tp2_ep1", "pp2_ep2": "pp2_ep1",
          "cp2_ep2_distopt": "cp2_ep1"}
+# packed (the default) -> the same layout padded
+PADDED = {"ep2": "ep2_padded", "pp2_ep2": "pp2_ep2_padded", "cp2_ep2_distopt": "cp2_ep2_padded"}
+REPLAYED = ["ep2", "ep2_padded", "tp2_ep2", "pp2_ep2", "pp2_ep2_padded", "cp2_ep2_distopt", "cp2_ep2_padded"]
 
 
 def _worker():
@@ -61,7 +70,26 @@ def run(parallel_run):
                                       worker.AUX, worker.ZLOSS)
         return refs[key]
 
-    return {"hf": hf, "worker": worker, "load": load, "reference": reference, "batch": batch}
+    forced: dict = {}
+
+    def forced_reference(routes: list[torch.Tensor]) -> list[torch.Tensor]:
+        """float64 transformers' log-probs of the batch with every MoE layer's experts forced."""
+        from tests.integration.rollout.routes_ref import forced_logprobs
+
+        key = tuple(r.numpy().tobytes() for r in routes)
+        if key not in forced:
+            if "hf" not in forced:
+                forced["hf"] = load_hf_float64(hf / "qwen3_moe")
+            forced[key] = [forced_logprobs(forced["hf"], s, p, r.numpy(), worker.TEMPERATURE)
+                           for s, p, r in zip(batch.sequences, batch.prompt_lens, routes)]
+        return forced[key]
+
+    return {"hf": hf, "worker": worker, "load": load, "reference": reference, "batch": batch,
+            "forced_reference": forced_reference}
+
+
+def _loads(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if k.startswith("moe/load_")}
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -102,6 +130,45 @@ def test_moe_update_matches_ep1(case, run):
     assert max_abs_diff(got["logps"], base["logps"]) < 5e-6
     assert _max_diff(got["weights"], base["weights"]) < 2e-5
     assert got["metrics"]["grad_norm"] == pytest.approx(base["metrics"]["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("case", sorted(PADDED))
+def test_moe_packed_equals_padded_at_expert_layouts(case, run):
+    """The packed layout (policy.packed_sequences) against the same layout padded: log-probs, and
+    the step's per-layer expert load (counts of the whole step, whatever the micro-batches); where
+    both layouts group the sequences alike (EP2 at data parallel 4: one micro-batch per rank) the
+    whole step too: loss, aux / z-losses, gradients and the updated weights."""
+    packed, padded = run["load"](case), run["load"](PADDED[case])
+    assert packed["packed"] and not padded["packed"]
+    assert max_abs_diff(packed["logps"], padded["logps"]) < 5e-6
+    assert max_abs_diff(packed["ents"], padded["ents"]) < 5e-6
+    assert _loads(packed["metrics"]) == pytest.approx(_loads(padded["metrics"]), abs=1e-12)
+    if case == "ep2":
+        assert packed["micro"] == padded["micro"]
+        m, n = packed["metrics"], padded["metrics"]
+        for key in ("loss", "moe/aux_loss", "moe/z_loss", "grad_norm"):
+            assert m[key] == pytest.approx(n[key], rel=1e-5), key
+        for name, g in padded["grads"].items():
+            err = float((packed["grads"][name].double() - g.double()).abs().max())
+            assert err <= 1e-5 * float(g.abs().max()), (name, err)
+        assert _max_diff(packed["weights"], padded["weights"]) < 2e-5
+
+
+@pytest.mark.parametrize("case", REPLAYED)
+def test_moe_routing_replay_packed_and_padded_at_expert_layouts(case, run):
+    """Routing replay through either layout (TP2 x EP2 with sequence parallelism, PP2 x EP2, CP2 x
+    EP2): the routes a pass records are the padded EP2 pass's (each token's own: the routers'
+    choice does not depend on the layout), and replaying other routes (every expert moved by one)
+    routes exactly through them and gives float64 transformers' log-probs with those experts
+    forced."""
+    got, base = run["load"](case)["routes"], run["load"]("ep2_padded")["routes"]
+    same = [torch.equal(a, b) for a, b in zip(got["recorded"], base["recorded"])]
+    assert all(same), f"{case}: recorded routes differ from the padded EP2 pass's in sequences {same}"
+    for r, f in zip(got["replayed"], got["forced"]):
+        assert torch.equal(r.long(), f), case
+    assert max_abs_diff(got["logps"], run["forced_reference"](got["forced"])) < 2e-5
+    # the forced experts matter: the log-probs moved far beyond the tolerance
+    assert max_abs_diff(got["logps"], run["load"](case)["logps"]) > 1e-2
 
 
 def test_moe_step_moved_the_weights(run):

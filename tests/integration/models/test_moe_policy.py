@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moe_testlib import hf_hidden_states, moe_reference
-from policy_testlib import make_batch, make_loss_fn, max_abs_diff, write_hf_moe_model
+from policy_testlib import load_hf_float64, make_batch, make_loss_fn, max_abs_diff, write_hf_moe_model
 
 pytestmark = pytest.mark.slow
 
@@ -163,3 +163,68 @@ def test_moe_recompute_keeps_the_objective_and_metrics(results, groups):
     for key, value in r["metrics"].items():
         if key.startswith("moe/"):
             assert metrics[key] == pytest.approx(value, rel=1e-9), key
+
+
+def test_moe_packed_equals_padded_logprobs_step_and_routing_replay(results, groups):
+    """Qwen3-MoE at EP1, ``policy.packed_sequences`` on and off, the same weights.
+
+    Log-probs, entropies, the routes a pass records and, replaying other routes (every recorded
+    expert moved by one), the routes actually taken and the log-probs: packed = padded, with
+    micro-batches that group the sequences differently (budget 48: padded {20, 16} {12, 9, 7, 5},
+    packed {20, 9, 5} {16, 12, 7}), and the replayed log-probs are float64 transformers' with those
+    experts forced. One training step with every sequence in one micro-batch in both layouts (the
+    aux and z-losses are per micro-batch): the loss, aux / z-losses, per-layer expert load, every
+    gradient and the updated weights. Tolerances: log-probs 5e-6 between the layouts (2e-5 from
+    transformers), losses 1e-6 relative, gradients 1e-5 x the tensor's largest entry, weights 2e-5,
+    routes exact."""
+    from megatron_rl.models import OptimConfig, ParallelConfig, PolicyConfig
+    from megatron_rl.models.config import MoEConfig
+    from megatron_rl.models.policy import MegatronPolicy
+    from megatron_rl.models.routing_replay import Routes
+    from tests.integration.rollout.routes_ref import forced_logprobs
+
+    hf = results["qwen3_moe"]["hf"]
+    batch = make_batch(LENGTHS, PROMPTS)
+    got = {}
+    for packed in (True, False):
+        cfg = PolicyConfig(parallel=ParallelConfig(), micro_batch_tokens=48, layer_spec="local",
+                           packed_sequences=packed, optim=OptimConfig(lr=1e-3, clip_grad=0.0),
+                           moe=MoEConfig(aux_loss_coef=AUX, z_loss_coef=ZLOSS))
+        policy = MegatronPolicy.from_hf(str(hf), cfg, groups)
+        micro = policy._micro_batches(batch)
+        assert len(micro) == 2 and all(mb.layout.packed == packed for mb in micro)
+        free = Routes(record=True)
+        logps, ents = policy.compute_logprobs(batch, TEMPERATURE, routes=free)
+        forced = [(r.long() + 1) % 4 for r in free.recorded]
+        again = Routes(replay=forced, record=True)
+        replayed, _ = policy.compute_logprobs(batch, TEMPERATURE, with_entropy=False, routes=again)
+        policy.cfg.micro_batch_tokens = 256  # the step: one micro-batch in both layouts
+        assert [mb.index for mb in policy._micro_batches(batch)] == [[2, 4, 0, 5, 1, 3]]
+        metrics = policy.train_step(batch, make_loss_fn(batch), TEMPERATURE, with_entropy=True)
+        got[packed] = {"micro": [mb.index for mb in micro], "logps": logps, "ents": ents,
+                       "recorded": free.recorded, "forced": forced, "replayed": again.recorded,
+                       "replay_logps": replayed, "metrics": metrics,
+                       "grads": {n: t.clone() for n, t in policy.export_hf_grads()},
+                       "weights": {n: t.clone() for n, t in policy.export_hf_weights()}}
+    a, b = got[True], got[False]
+    assert a["micro"] != b["micro"]  # the replay's rows differ between the layouts, not only in shape
+    assert max_abs_diff(a["logps"], b["logps"]) < 5e-6
+    assert max_abs_diff(a["ents"], b["ents"]) < 5e-6
+    assert all(torch.equal(x, y) for x, y in zip(a["recorded"], b["recorded"]))
+    for r in (a, b):
+        assert all(torch.equal(x.long(), f) for x, f in zip(r["replayed"], r["forced"]))
+    assert max_abs_diff(a["replay_logps"], b["replay_logps"]) < 5e-6
+    hf64 = load_hf_float64(hf)
+    ref = [forced_logprobs(hf64, s, p, f.numpy(), TEMPERATURE)
+           for s, p, f in zip(batch.sequences, batch.prompt_lens, a["forced"])]
+    assert max_abs_diff(a["replay_logps"], ref) < 2e-5
+    assert max_abs_diff(a["replay_logps"], a["logps"]) > 1e-2  # the forced experts matter
+    m, n = a["metrics"], b["metrics"]
+    for key in ("loss", "moe/aux_loss", "moe/z_loss", "grad_norm"):
+        assert m[key] == pytest.approx(n[key], rel=1e-6), key
+    loads = [k for k in n if k.startswith("moe/load_")]
+    assert len(loads) == 4 and all(m[k] == pytest.approx(n[k], abs=1e-12) for k in loads)
+    for name, g in b["grads"].items():
+        err = float((a["grads"][name].double() - g.double()).abs().max())
+        assert err <= 1e-5 * float(g.abs().max()), (name, err)
+    assert max(float((a["weights"][k] - w).abs().max()) for k, w in b["weights"].items()) < 2e-5

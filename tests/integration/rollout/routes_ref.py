@@ -116,10 +116,29 @@ def loud(model_dir: str, seed: int = 0, std: float = 0.2) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
+def router_row_tokens(mb, groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which sequence of the micro-batch (``mb.index`` order) and which of its positions each router
+    row of this rank holds, read off the model input Megatron gets (not from the replay's layout
+    code): ``mb.position_ids`` (this CP rank's positions, counting from 0 in every packed segment),
+    one sequence per row when padded; packed (one row), a new segment wherever the positions drop
+    (a CP rank holds two increasing chunks of each segment). Then this TP rank's contiguous slice
+    under sequence parallelism, flattened sequence-major (row ``j * b + row``)."""
+    pos = mb.position_ids.cpu().long()
+    if mb.packed_seq_params is not None:
+        drops = torch.cat([torch.zeros(1, dtype=torch.long), (pos[0, 1:] < pos[0, :-1]).long()])
+        seq = torch.cumsum(drops, 0)[None]
+    else:
+        seq = torch.arange(pos.shape[0])[:, None].expand_as(pos)
+    if groups.sequence_parallel and groups.tp > 1:
+        w = pos.shape[1] // groups.tp
+        pos, seq = (x[:, groups.tp_rank * w:(groups.tp_rank + 1) * w] for x in (pos, seq))
+    return seq.t().reshape(-1), pos.t().reshape(-1)
+
+
 class RouterTap:
     """The experts a policy's MoE layers actually routed each token to in replaying passes, from
-    their routers' outputs (``routing_map``), placed back at (sequence, position) through the
-    replay's layout (``local_positions``): one entry per router call (a micro-batch's forward, and
+    their routers' outputs (``routing_map``), placed back at (sequence, position) by
+    :func:`router_row_tokens`: one entry per router call (a micro-batch's forward, and
     its recomputation), ``{id(sequence): [len, L, k]}`` (-1 where that call routed nothing; the
     sequences are the lists of ``batch.sequences``, which mini-batches share)."""
 
@@ -144,8 +163,6 @@ class RouterTap:
                 self._hooks.append(layer.mlp.router.register_forward_hook(self._hook))
 
     def _hook(self, router, args, output):
-        from megatron_rl.models.routing_replay import local_positions
-
         chunk, column = self._where[id(router)]
         pending = self._pending.setdefault(id(router), deque())
         if self.recompute and torch.is_grad_enabled() and pending:
@@ -156,18 +173,17 @@ class RouterTap:
                 return
             if self.recompute and not torch.is_grad_enabled():
                 pending.append(mb)
-        g = self.policy.groups
         routing_map = output[1]
         picked = torch.nonzero(routing_map.reshape(routing_map.shape[0], -1))[:, 1].view(-1, self.top_k)
-        positions = local_positions(mb.position_ids, g.tp, g.tp_rank, g.sequence_parallel)
-        picked = picked.view(positions.numel(), mb.input_ids.shape[0], self.top_k).cpu().numpy()
+        seq, pos = router_row_tokens(mb, self.policy.groups)
+        picked = picked.cpu().numpy()
         call = {}
         for j, i in enumerate(mb.index):
-            seq = self._pass_batch.sequences[i]
-            rows = np.full((len(seq), self.layers, self.top_k), -1)
-            inside = (positions < len(seq)).numpy()
-            rows[positions.numpy()[inside], column] = picked[inside, j]
-            call[id(seq)] = rows
+            tokens = self._pass_batch.sequences[i]
+            rows = np.full((len(tokens), self.layers, self.top_k), -1)
+            mine = ((seq == j) & (pos < len(tokens))).numpy()
+            rows[pos.numpy()[mine], column] = picked[mine]
+            call[id(tokens)] = rows
         self.calls.append(call)
 
     def __enter__(self):

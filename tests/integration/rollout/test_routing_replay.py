@@ -124,8 +124,8 @@ def policy(env, groups):
 
 
 def _policy_cfg(optim=None):
-    """The trainer's policy config: micro-batches of 128 tokens (several per batch, padded; two or
-    three short sequences in one: rows of several sequences interleave at the routers)."""
+    """The trainer's policy config: micro-batches of 128 tokens (several per batch, packed: the
+    default; two or three short sequences in one row, each followed by the next at the routers)."""
     from megatron_rl.models import OptimConfig, PolicyConfig
 
     return PolicyConfig(micro_batch_tokens=TOKENS, layer_spec="local", optim=optim or OptimConfig())

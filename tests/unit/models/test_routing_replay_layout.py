@@ -1,10 +1,14 @@
-"""Routing replay's layout: the rows a router sees in a micro-batch, built from per-sequence routes.
+"""Routing replay's layout: the rows a router sees in a micro-batch, built from per-sequence routes,
+in the padded and the packed layout.
 
 Reference: the router's input as Megatron forms it, simulated on token codes (``1000 * sequence +
-position``): the micro-batch ``[b, S]`` right-padded, CP rank r keeping chunks r and 2·CP-1-r of 2·CP,
-this TP rank's slice of that under sequence parallelism, then ``[s, b]`` flattened (row ``s * b + j``).
-Every row must carry its token's routes (padding: distinct valid experts), and recording then placing
-the rows of every CP x TP rank gives the routes back.
+position``): the micro-batch's model input (padded: one right-padded row per sequence and a padding
+row; packed: the sequences back to back in one row, each padded to a multiple of 2·CP, the row to a
+multiple of 2·CP·TP with sequence parallelism), CP rank r keeping chunks r and 2·CP-1-r of 2·CP of
+every row (padded) or of every sequence's segment (packed, Transformer Engine's THD split), this TP
+rank's slice of that under sequence parallelism, then ``[s, b]`` flattened (row ``s * b + j``).
+Every row must carry its token's routes (padding: distinct valid experts), and recording then
+placing the rows of every CP x TP rank gives the routes back.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import itertools
 import pytest
 import torch
 
-from megatron_rl.models.routing_replay import filler, local_positions, micro_batch_routes, place_recorded
+from megatron_rl.models.packing import packed_layout, padded_layout
+from megatron_rl.models.routing_replay import filler, micro_batch_routes, place_recorded, router_tokens
 
 E, K, L = 8, 2, 3
 
@@ -25,38 +30,64 @@ def _routes(lengths, seed=0):
             for n in lengths]
 
 
-def _router_view(codes: torch.Tensor, cp: int, cp_rank: int, tp: int, tp_rank: int, sp: bool) -> torch.Tensor:
-    """The token codes in a router's row order (independent of the code under test)."""
-    b, s = codes.shape
-    c = s // (2 * cp)
-    local = torch.cat([codes[:, cp_rank * c:(cp_rank + 1) * c],
-                       codes[:, (2 * cp - 1 - cp_rank) * c:(2 * cp - cp_rank) * c]], 1)
+def _split(row: torch.Tensor, lo: int, hi: int, cp: int, r: int) -> torch.Tensor:
+    c = (hi - lo) // (2 * cp)
+    return torch.cat([row[..., lo + r * c:lo + (r + 1) * c], row[..., lo + (2 * cp - 1 - r) * c:lo + (2 * cp - r) * c]], -1)
+
+
+def _model_input(lengths, index, packed, cp, tp, sp, rows):
+    """Token codes ``[b, S]`` (-1 at padding) and the segments CP splits (independent of the code under test)."""
+    mult = 2 * cp if cp > 1 else 1
+    if packed:
+        segs, at = [], 0
+        for i in index:
+            n = -(-lengths[i] // mult) * mult
+            segs.append((at, at + n))
+            at += n
+        total = -(-at // (mult * (tp if sp else 1))) * (mult * (tp if sp else 1))
+        if total > at:
+            segs.append((at, total))
+        codes = torch.full((1, total), -1, dtype=torch.long)
+        for (lo, _), i in zip(segs, index):
+            codes[0, lo:lo + lengths[i]] = 1000 * i + torch.arange(lengths[i])
+        return codes, segs
+    pad = 2 * cp * (tp if sp else 1)
+    seq_len = -(-max(lengths[i] for i in index) // pad) * pad
+    codes = torch.full((rows, seq_len), -1, dtype=torch.long)
+    for j, i in enumerate(index):
+        codes[j, :lengths[i]] = 1000 * i + torch.arange(lengths[i])
+    return codes, [(0, seq_len)]
+
+
+def _router_view(codes, segs, cp, cp_rank, tp, tp_rank, sp) -> torch.Tensor:
+    """The token codes in a router's row order."""
+    local = torch.cat([_split(codes, lo, hi, cp, cp_rank) for lo, hi in segs], -1) if cp > 1 else codes
     if sp:
         w = local.shape[1] // tp
         local = local[:, tp_rank * w:(tp_rank + 1) * w]
     return local.t().reshape(-1)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("cp,tp,sp", [(1, 1, False), (2, 1, False), (1, 2, True), (2, 2, True), (2, 2, False)])
-def test_routing_replay_micro_batch_rows_are_megatrons_token_order(cp, tp, sp):
+def test_routing_replay_micro_batch_rows_are_megatrons_token_order(cp, tp, sp, packed):
     lengths = [11, 7, 16]
     routes = _routes(lengths)
-    index, rows = [2, 0, 1], 4  # a padding row too
-    seq_len = 16 if cp * (tp if sp else 1) <= 4 else 24
-    pad = 2 * cp * (tp if sp else 1)
-    seq_len = -(-seq_len // pad) * pad
-    codes = torch.full((rows, seq_len), -1, dtype=torch.long)
-    for j, i in enumerate(index):
-        codes[j, :lengths[i]] = 1000 * i + torch.arange(lengths[i])
+    index = [2, 0, 1]
+    rows = 1 if packed else 4  # padded: a padding row too (the interleaved schedule's fixed shape)
+    codes, segs = _model_input(lengths, index, packed, cp, tp, sp, rows)
+    mine = [lengths[i] for i in index]
+    if packed:
+        layout = packed_layout(mine, 2 * cp if cp > 1 else 1, (2 * cp if cp > 1 else 1) * (tp if sp else 1))
+    else:
+        layout = padded_layout(mine, 2 * cp * (tp if sp else 1), rows=rows)
+    assert (layout.rows, layout.seq_len) == tuple(codes.shape)
     starts = [0, 11, 18]
     flat = torch.zeros(sum(lengths), L, K, dtype=torch.uint8)
     for cp_rank, tp_rank in itertools.product(range(cp), range(tp)):
-        c = seq_len // (2 * cp)
-        held = torch.cat([torch.arange(cp_rank * c, (cp_rank + 1) * c),
-                          torch.arange((2 * cp - 1 - cp_rank) * c, (2 * cp - cp_rank) * c)])
-        positions = local_positions(held.expand(rows, -1), tp, tp_rank, sp)
-        got = micro_batch_routes(routes, index, rows, positions, E)
-        view = _router_view(codes, cp, cp_rank, tp, tp_rank, sp)
+        k, p = router_tokens(layout, cp, cp_rank, tp, tp_rank, sp)
+        got = micro_batch_routes(routes, index, k, p, E)
+        view = _router_view(codes, segs, cp, cp_rank, tp, tp_rank, sp)
         assert got.shape == (view.numel(), L, K) and got.dtype == torch.long
         for r, code in enumerate(view.tolist()):
             if code >= 0:
@@ -64,8 +95,8 @@ def test_routing_replay_micro_batch_rows_are_megatrons_token_order(cp, tp, sp):
             else:  # padding: valid, distinct experts
                 assert got[r].min() >= 0 and got[r].max() < E and all(len(set(x.tolist())) == K for x in got[r])
         if sp or tp_rank == 0:  # each (position, layer) from one rank
-            place_recorded(got[:, [2, 0]], flat, starts, lengths, index, rows, positions, [2, 0])
-            place_recorded(got[:, [1]], flat, starts, lengths, index, rows, positions, [1])
+            place_recorded(got[:, [2, 0]], flat, starts, index, k, p, [2, 0])
+            place_recorded(got[:, [1]], flat, starts, index, k, p, [1])
     assert all(torch.equal(flat[starts[i]:starts[i] + n].to(torch.int16), routes[i]) for i, n in enumerate(lengths))
 
 
