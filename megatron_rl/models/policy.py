@@ -194,9 +194,11 @@ class MegatronPolicy(PolicyForward):
         :mod:`megatron_rl.models.checkpoint`). ``ckpt_dir`` must not exist or be empty."""
         checkpoint.save_checkpoint(self, ckpt_dir)
 
-    def load_checkpoint(self, ckpt_dir: str | Path) -> None:
-        """Load a checkpoint written by :meth:`save_checkpoint`, at this or another layout."""
-        checkpoint.load_checkpoint(self, ckpt_dir)
+    def load_checkpoint(self, ckpt_dir: str | Path, fresh_optimizer: bool = False) -> None:
+        """Load a checkpoint written by :meth:`save_checkpoint`, at this or another layout; with
+        ``fresh_optimizer`` only its model weights, the optimizer and lr schedule starting as a newly
+        built policy's (no Adam moments, schedule step 0)."""
+        checkpoint.load_checkpoint(self, ckpt_dir, fresh_optimizer=fresh_optimizer)
 
 
 def _all_reduce_cpu(g: ParallelGroups):
