@@ -109,7 +109,9 @@ def load_checkpoint(policy: Checkpointable, ckpt_dir: str | Path, fresh_optimize
     # the optimizer's settings stay this policy's (its config, or a later set_lr): the checkpoint
     # brings back the step count and the Adam moments, not the hyperparameters its parameter groups
     # also saved (peak / minimum lr, which the scheduler reads first, betas, eps)
-    settings = [{k: v for k, v in g.items() if k != "params"} for g in policy.optimizer.param_groups]
+    # (and a fused Adam's per-group step count is the checkpoint's, not this policy's)
+    settings = [{k: v for k, v in g.items() if k not in ("params", "step")}
+                for g in policy.optimizer.param_groups]
     with megatron_cpu_scope():
         loaded = dist_checkpointing.load(_sharded_state_dict(policy, is_loading=True), str(path))
         for i, chunk in enumerate(policy.model):
@@ -133,6 +135,8 @@ def reset_optimizer(policy: Checkpointable) -> None:
         inner = getattr(opt, "optimizer", None)
         if inner is not None:
             inner.state.clear()  # what a new torch / TE / Apex Adam starts from, lazily filled
+            for group in inner.param_groups:
+                group.pop("step", None)  # TE's and Apex's fused Adam count steps per group
     policy.scheduler.num_steps = 0
     policy.scheduler.step(increment=0)  # the parameter groups' lr and weight decay at step 0
     policy.steps = 0

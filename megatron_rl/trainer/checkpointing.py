@@ -3,8 +3,9 @@
 A stage resumes from its own newest intact checkpoint if there is one (a damaged newer one is passed
 over with a warning naming the file); otherwise it starts from the previous stage's ``final`` (found
 in the run directory, no conversion), or for the first stage from ``trainer.init_from``, the SFT
-cold start's result, or the base model. A damaged start checkpoint is a :class:`CheckpointError`
-naming the file. Saves are atomic (see :mod:`megatron_rl.trainer.state`).
+cold start's result, or the base model: with that checkpoint's optimizer state, or with its weights
+only and a new optimizer (``stages[].optimizer_state``). A damaged start checkpoint is a
+:class:`CheckpointError` naming the file. Saves are atomic (see :mod:`megatron_rl.trainer.state`).
 """
 
 from __future__ import annotations
