@@ -123,12 +123,20 @@ def ensure_reference(ctx: Context) -> None:
     ctx.reference = ref
 
 
-def load_start(ctx: Context, ckpt: Path, stage: StageConfig, resume: bool) -> TrainerState:
-    """Load ``ckpt`` into the policy and return the trainer state the stage goes on from.
+def load_start(ctx: Context, ckpt: Path | None, stage: StageConfig, resume: bool) -> TrainerState:
+    """Load ``ckpt`` into the policy (None: the base model, the policy as built) and return the
+    trainer state the stage goes on from.
 
     A resume (the stage's own step checkpoint) restores everything; a start from another checkpoint
     restores the run-wide counters and, by ``stage.optimizer_state``, the checkpoint's optimizer
-    (``carry``) or only its weights with a new optimizer and lr schedule (``fresh``)."""
+    (``carry``) or only its weights with a new optimizer and lr schedule (``fresh``). The peak lr is
+    the stage's ``lr`` or ``policy.optim.lr``, never an earlier stage's of this process."""
+    state = _load(ctx, ckpt, stage, resume) if ckpt is not None else TrainerState(stage=stage.name)
+    ctx.policy.set_lr(stage.lr if stage.lr is not None else ctx.cfg.policy.optim.lr)
+    return state
+
+
+def _load(ctx: Context, ckpt: Path, stage: StageConfig, resume: bool) -> TrainerState:
     fresh = not resume and stage.optimizer_state == "fresh"
     try:
         state = RunDir.read_state(ckpt)
@@ -155,9 +163,7 @@ def begin_stage(ctx: Context, stage: StageConfig) -> tuple[TrainerState, PromptL
     else:
         log.info("stage %s: starting from %s%s", stage.name, ckpt or f"the base model {ctx.model_path}",
                  " with a fresh optimizer" if ckpt and stage.optimizer_state == "fresh" else "")
-    state = load_start(ctx, ckpt, stage, resume) if ckpt else TrainerState(stage=stage.name)
-    if stage.lr is not None:
-        ctx.policy.set_lr(stage.lr)
+    state = load_start(ctx, ckpt, stage, resume)
     loader = None
     if ctx.is_driver:
         loader = PromptLoader(ctx.train_records, cfg.rollout.rollout_batch_size, seed=cfg.trainer.seed)

@@ -152,6 +152,13 @@ def _stage_policy(hf_dir, groups, dtype, distributed, lr=2e-3):
     return MegatronPolicy.from_hf(str(hf_dir), cfg, groups)
 
 
+def _ctx(policy):
+    """What checkpointing.load_start reads of the trainer's context."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(policy=policy, cfg=SimpleNamespace(policy=policy.cfg))
+
+
 def _params(policy) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in policy.named_parameters()}
 
@@ -190,8 +197,6 @@ def test_fresh_optimizer_stage_start_trains_as_a_new_policy_from_the_weights(
     (zero Adam moments, lr schedule at warm-up step 1 of the running config), bit for bit, also
     when the policy trained before in the same process, and differs from the carried optimizer's;
     the run-wide counters carry over either way."""
-    from types import SimpleNamespace
-
     from megatron_rl.trainer.checkpointing import load_start
     from megatron_rl.trainer.config import StageConfig
 
@@ -206,12 +211,13 @@ def test_fresh_optimizer_stage_start_trains_as_a_new_policy_from_the_weights(
     updates = {}
     for choice in ("fresh", "carry"):
         policy = _stage_policy(hf_dirs["llama"], groups, dtype, distributed)
-        # as in a run whose SFT (or previous stage) trained this policy in the same process:
-        # moments, step count and schedule position it must not keep
+        # as in a run whose SFT (or previous stage, at its own lr) trained this policy in the same
+        # process: moments, step count, schedule position and peak lr it must not keep
         other = make_batch(LENGTHS[3:], PROMPTS[3:], seed=9)
+        policy.set_lr(5e-3)
         policy.train_step(other, make_loss_fn(other), 1.0, with_entropy=True)
         stage = StageConfig(name="s1", max_steps=1, optimizer_state=choice)
-        state = load_start(SimpleNamespace(policy=policy), root / "final", stage, resume=False)
+        state = load_start(_ctx(policy), root / "final", stage, resume=False)
         assert (state.stage, state.step, state.global_step, state.grpo_step, state.weight_version,
                 state.data_loader, state.entropy_controller) == \
             ("s1", 0, 5, 3, 7, {"epoch": 1}, {"coef": 0.25}), choice
@@ -232,8 +238,6 @@ def test_fresh_optimizer_resume_within_the_stage_restores_the_moments(
     """A stage with optimizer_state=fresh, preempted after its first step and resumed from its own
     step checkpoint, goes on with the moments and schedule built since it started: its second
     update equals the uninterrupted run's, bit for bit."""
-    from types import SimpleNamespace
-
     from megatron_rl.trainer.checkpointing import load_start
     from megatron_rl.trainer.config import StageConfig
     from megatron_rl.trainer.state import RunDir, TrainerState
@@ -242,14 +246,14 @@ def test_fresh_optimizer_resume_within_the_stage_restores_the_moments(
     batch = make_batch(LENGTHS[:3], PROMPTS[:3], seed=4)
     loss_fn = make_loss_fn(batch)
     run = _stage_policy(hf_dirs["llama"], groups, dtype, distributed)
-    load_start(SimpleNamespace(policy=run), fresh_start[dtype, distributed] / "final", stage, resume=False)
+    load_start(_ctx(run), fresh_start[dtype, distributed] / "final", stage, resume=False)
     run.train_step(batch, loss_fn, 1.0, with_entropy=True)
     run.save_checkpoint(tmp_path / "step_1" / "policy")
     RunDir.write_state(tmp_path / "step_1", TrainerState(stage="s1", step=1, global_step=6))
     uninterrupted = run.train_step(batch, loss_fn, 1.0, with_entropy=True)["lr"]
 
     resumed = _stage_policy(hf_dirs["llama"], groups, dtype, distributed)
-    state = load_start(SimpleNamespace(policy=resumed), tmp_path / "step_1", stage, resume=True)
+    state = load_start(_ctx(resumed), tmp_path / "step_1", stage, resume=True)
     assert (state.step, state.global_step) == (1, 6)
     lr = resumed.train_step(batch, loss_fn, 1.0, with_entropy=True)["lr"]
     assert lr == uninterrupted == pytest.approx(2e-3 * 2 / 4)
