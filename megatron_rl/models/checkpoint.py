@@ -6,6 +6,8 @@ the local spec stores its norms under the Transformer Engine names) with the sam
 ``use_distributed_optimizer`` (the two optimizers store their state differently). Both restore
 exactly: the step after a load equals the uninterrupted run's, also for a checkpoint written before
 the first optimizer step (the Megatron fixes this needs are in :mod:`megatron_rl.compat.megatron_fixes`).
+A load with ``fresh_optimizer`` takes only the model weights (at any layout, from either optimizer's
+checkpoint) and starts the optimizer and the lr schedule as a newly built policy's.
 """
 
 from __future__ import annotations
@@ -75,8 +77,11 @@ def save_checkpoint(policy: Checkpointable, ckpt_dir: str | Path) -> None:
     g.barrier()
 
 
-def load_checkpoint(policy: Checkpointable, ckpt_dir: str | Path) -> None:
+def load_checkpoint(policy: Checkpointable, ckpt_dir: str | Path, fresh_optimizer: bool = False) -> None:
     """Load a checkpoint written by :func:`save_checkpoint`, at this or another layout.
+
+    ``fresh_optimizer``: only the model weights; the optimizer and the lr schedule then start as a
+    newly built policy's (:func:`reset_optimizer`), whatever this policy trained before.
 
     RNG states are restored when the layout is the same (they are per rank); otherwise the
     current ones stay (the policy has no dropout, so the numbers do not depend on them).
@@ -86,9 +91,14 @@ def load_checkpoint(policy: Checkpointable, ckpt_dir: str | Path) -> None:
     g = policy.groups
     g.check_current()
     path = Path(ckpt_dir)
-    if not (path / "metadata.json").is_file():
-        raise FileNotFoundError(f"{path} is not a Megatron distributed checkpoint "
-                                f"(no metadata.json)")
+    if fresh_optimizer:
+        load_model_weights([chunk.module for chunk in policy.model], g, path)
+        with megatron_cpu_scope():
+            policy.optimizer.reload_model_params()  # main (fp32) copies of bf16 / sharded weights
+        reset_optimizer(policy)
+        _restore_rng(policy, path)
+        return
+    _check_exists(path)
     saved = bool(dist_checkpointing.load_common_state_dict(str(path))
                  .get("distributed_optimizer", False))
     ours = policy.cfg.parallel.use_distributed_optimizer
@@ -99,7 +109,9 @@ def load_checkpoint(policy: Checkpointable, ckpt_dir: str | Path) -> None:
     # the optimizer's settings stay this policy's (its config, or a later set_lr): the checkpoint
     # brings back the step count and the Adam moments, not the hyperparameters its parameter groups
     # also saved (peak / minimum lr, which the scheduler reads first, betas, eps)
-    settings = [{k: v for k, v in g.items() if k != "params"} for g in policy.optimizer.param_groups]
+    # (and a fused Adam's per-group step count is the checkpoint's, not this policy's)
+    settings = [{k: v for k, v in g.items() if k not in ("params", "step")}
+                for g in policy.optimizer.param_groups]
     with megatron_cpu_scope():
         loaded = dist_checkpointing.load(_sharded_state_dict(policy, is_loading=True), str(path))
         for i, chunk in enumerate(policy.model):
@@ -107,9 +119,37 @@ def load_checkpoint(policy: Checkpointable, ckpt_dir: str | Path) -> None:
         policy.optimizer.load_state_dict(loaded["optimizer"])
         for group, mine in zip(policy.optimizer.param_groups, settings):
             group.update(mine)
-        policy.scheduler.load_state_dict(loaded["scheduler"])  # its settings: this policy's (optimizer.py)
+        # Megatron's load adds the saved step count to the current one: from 0, not from where this
+        # policy got to (an SFT or earlier stage in the same process); its settings: this policy's
+        policy.scheduler.num_steps = 0
+        policy.scheduler.load_state_dict(loaded["scheduler"])
     policy.steps = int(loaded["steps"])
-    rng_file = path / _RNG_DIR / f"rank{g.rank}.pt"
+    _restore_rng(policy, path)
+
+
+def reset_optimizer(policy: Checkpointable) -> None:
+    """The optimizer and lr schedule of a newly built policy: no Adam state (moments and step count
+    start at zero on the next step, as a new optimizer's), the schedule at step 0 of its settings
+    (``policy.optim``, or a later ``set_lr``), so the warm-up runs again. The weights stay."""
+    for opt in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None:
+            inner.state.clear()  # what a new torch / TE / Apex Adam starts from, lazily filled
+            for group in inner.param_groups:
+                group.pop("step", None)  # TE's and Apex's fused Adam count steps per group
+    policy.scheduler.num_steps = 0
+    policy.scheduler.step(increment=0)  # the parameter groups' lr and weight decay at step 0
+    policy.steps = 0
+
+
+def _check_exists(path: Path) -> None:
+    if not (path / "metadata.json").is_file():
+        raise FileNotFoundError(f"{path} is not a Megatron distributed checkpoint "
+                                f"(no metadata.json)")
+
+
+def _restore_rng(policy: Checkpointable, path: Path) -> None:
+    rng_file = path / _RNG_DIR / f"rank{policy.groups.rank}.pt"
     if rng_file.is_file():
         rng = torch.load(rng_file, weights_only=False)
         if rng["layout"] == _layout(policy):
@@ -124,9 +164,7 @@ def load_model_weights(chunks: list, groups: ParallelGroups, ckpt_dir: str | Pat
 
     groups.check_current()
     path = Path(ckpt_dir)
-    if not (path / "metadata.json").is_file():
-        raise FileNotFoundError(f"{path} is not a Megatron distributed checkpoint "
-                                f"(no metadata.json)")
+    _check_exists(path)
     with megatron_cpu_scope():
         wanted = {f"model_chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
         loaded = dist_checkpointing.load(wanted, str(path))

@@ -136,14 +136,13 @@ class MegatronPolicy(PolicyForward):
 
     def set_lr(self, lr: float) -> None:
         """Make ``lr`` the peak learning rate from now on (warm-up/decay shape and the step count
-        stay; ``min_lr`` is capped at ``lr``). A later :meth:`load_checkpoint` keeps the step count
-        and returns to the config's schedule (``policy.optim``): callers set it again after a load."""
+        stay; ``min_lr`` is the config's, capped at ``lr``); a load keeps it."""
         s = self.scheduler
         s.max_lr = float(lr)
-        s.min_lr = min(s.min_lr, float(lr))
+        s.min_lr = min(self.cfg.optim.min_lr, float(lr))
         for group in self.optimizer.param_groups:
             group["max_lr"] = float(lr)
-            group["min_lr"] = min(group.get("min_lr", s.min_lr), float(lr))
+            group["min_lr"] = s.min_lr
         s.step(increment=0)
 
     @property
@@ -194,9 +193,11 @@ class MegatronPolicy(PolicyForward):
         :mod:`megatron_rl.models.checkpoint`). ``ckpt_dir`` must not exist or be empty."""
         checkpoint.save_checkpoint(self, ckpt_dir)
 
-    def load_checkpoint(self, ckpt_dir: str | Path) -> None:
-        """Load a checkpoint written by :meth:`save_checkpoint`, at this or another layout."""
-        checkpoint.load_checkpoint(self, ckpt_dir)
+    def load_checkpoint(self, ckpt_dir: str | Path, fresh_optimizer: bool = False) -> None:
+        """Load a checkpoint written by :meth:`save_checkpoint`, at this or another layout; with
+        ``fresh_optimizer`` only its model weights, the optimizer and lr schedule starting as a newly
+        built policy's (no Adam moments, schedule step 0)."""
+        checkpoint.load_checkpoint(self, ckpt_dir, fresh_optimizer=fresh_optimizer)
 
 
 def _all_reduce_cpu(g: ParallelGroups):

@@ -3,8 +3,9 @@
 A stage resumes from its own newest intact checkpoint if there is one (a damaged newer one is passed
 over with a warning naming the file); otherwise it starts from the previous stage's ``final`` (found
 in the run directory, no conversion), or for the first stage from ``trainer.init_from``, the SFT
-cold start's result, or the base model. A damaged start checkpoint is a :class:`CheckpointError`
-naming the file. Saves are atomic (see :mod:`megatron_rl.trainer.state`).
+cold start's result, or the base model: with that checkpoint's optimizer state, or with its weights
+only and a new optimizer (``stages[].optimizer_state``). A damaged start checkpoint is a
+:class:`CheckpointError` naming the file. Saves are atomic (see :mod:`megatron_rl.trainer.state`).
 """
 
 from __future__ import annotations
@@ -122,10 +123,24 @@ def ensure_reference(ctx: Context) -> None:
     ctx.reference = ref
 
 
-def _load(ctx: Context, ckpt: Path, stage_name: str, resume: bool) -> TrainerState:
+def load_start(ctx: Context, ckpt: Path | None, stage: StageConfig, resume: bool) -> TrainerState:
+    """Load ``ckpt`` into the policy (None: the base model, the policy as built) and return the
+    trainer state the stage goes on from.
+
+    A resume (the stage's own step checkpoint) restores everything; a start from another checkpoint
+    restores the run-wide counters and, by ``stage.optimizer_state``, the checkpoint's optimizer
+    (``carry``) or only its weights with a new optimizer and lr schedule (``fresh``). The peak lr is
+    the stage's ``lr`` or ``policy.optim.lr``, never an earlier stage's of this process."""
+    state = _load(ctx, ckpt, stage, resume) if ckpt is not None else TrainerState(stage=stage.name)
+    ctx.policy.set_lr(stage.lr if stage.lr is not None else ctx.cfg.policy.optim.lr)
+    return state
+
+
+def _load(ctx: Context, ckpt: Path, stage: StageConfig, resume: bool) -> TrainerState:
+    fresh = not resume and stage.optimizer_state == "fresh"
     try:
         state = RunDir.read_state(ckpt)
-        ctx.policy.load_checkpoint(str(ckpt / "policy"))
+        ctx.policy.load_checkpoint(str(ckpt / "policy"), fresh_optimizer=fresh)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # torch's CheckpointException is a BaseException
@@ -134,7 +149,7 @@ def _load(ctx: Context, ckpt: Path, stage_name: str, resume: bool) -> TrainerSta
                               f"{detail[-1] if detail else ''}); move it aside to start from the "
                               f"previous one") from exc
     if not resume:  # a new stage: counters restart, the run-wide ones carry over
-        state = TrainerState(stage=stage_name, global_step=state.global_step, grpo_step=state.grpo_step,
+        state = TrainerState(stage=stage.name, global_step=state.global_step, grpo_step=state.grpo_step,
                              weight_version=state.weight_version, data_loader=state.data_loader,
                              entropy_controller=state.entropy_controller, grpo_seconds=state.grpo_seconds)
     return state
@@ -146,10 +161,9 @@ def begin_stage(ctx: Context, stage: StageConfig) -> tuple[TrainerState, PromptL
     if resume:
         log.info("stage %s: resuming from %s", stage.name, ckpt)
     else:
-        log.info("stage %s: starting from %s", stage.name, ckpt or f"the base model {ctx.model_path}")
-    state = _load(ctx, ckpt, stage.name, resume) if ckpt else TrainerState(stage=stage.name)
-    if stage.lr is not None:
-        ctx.policy.set_lr(stage.lr)
+        log.info("stage %s: starting from %s%s", stage.name, ckpt or f"the base model {ctx.model_path}",
+                 " with a fresh optimizer" if ckpt and stage.optimizer_state == "fresh" else "")
+    state = load_start(ctx, ckpt, stage, resume)
     loader = None
     if ctx.is_driver:
         loader = PromptLoader(ctx.train_records, cfg.rollout.rollout_batch_size, seed=cfg.trainer.seed)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from megatron_rl.config.base import ConfigBase, ranged
 
 DEFAULT_RUN_DIR = "runs/default"
+
+# What a stage's optimizer starts with when the stage starts from a checkpoint (StageConfig.optimizer_state).
+OptimizerStart = Literal["carry", "fresh"]
 
 
 @dataclass(kw_only=True)
@@ -31,6 +35,14 @@ class StageConfig(ConfigBase):
     plateau: PlateauConfig = field(default_factory=PlateauConfig)
     # Optional learning-rate override for this stage.
     lr: float | None = ranged(None, ge=0.0)
+    # The optimizer this stage starts with when it starts from a checkpoint (the previous stage's
+    # `final`; for the first stage trainer.init_from or the SFT cold start's result): ``carry`` its
+    # Adam moments, optimizer step count and lr-schedule position (the schedule's settings are the
+    # running config's either way); ``fresh`` only its model weights: zero moments, the lr schedule
+    # from step 0 (the warm-up runs again), as RL from an SFT model usually starts. A stage that starts
+    # from the base model starts fresh anyway; a resume within the stage (its own step checkpoint)
+    # always restores everything, the moments built since the stage started included.
+    optimizer_state: OptimizerStart = "carry"
 
     def validate(self) -> None:
         super().validate()

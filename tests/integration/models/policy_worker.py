@@ -9,6 +9,7 @@ OUT_DIR/<case>.pt with the Megatron numbers; the pytest side compares them with 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -128,11 +129,34 @@ def run_checkpoints(out, hf_dir, ckpt_root):
         _policy(hf_dir, pp=2).load_checkpoint(ckpt_root / "d_distopt")
     except ValueError as exc:
         mismatch = str(exc)
+    # the weights only (stages[].optimizer_state=fresh), into a policy that trained before: from the
+    # distributed optimizer's TP=2 x DP=2 checkpoint into a plain optimizer at PP=2 x DP=2; its next
+    # step against a policy built anew at PP=2 from the checkpoint's weights exported to HF
+    g = _policy(hf_dir, pp=2)
+    g.train_step(make_batch(LENGTHS[:4], PROMPTS[:4], seed=8), loss_fn, TEMPERATURE, with_entropy=True)
+    g.load_checkpoint(ckpt_root / "d_distopt", fresh_optimizer=True)
+    g_loaded, g_steps = _export(g), g.steps
+    g.train_step(batch, loss_fn, TEMPERATURE, with_entropy=True)
+    g_step = _export(g)
+    hf_d = ckpt_root / "d_step1_hf"
+    if torch.distributed.get_rank() == 0:
+        from safetensors.torch import save_file
+
+        hf_d.mkdir()
+        save_file({n: t.contiguous() for n, t in d_step1.items()}, str(hf_d / "model.safetensors"))
+        for name in ("config.json", "generation_config.json"):
+            if (Path(hf_dir) / name).exists():
+                shutil.copy2(Path(hf_dir) / name, hf_d / name)
+    torch.distributed.barrier()
+    r = _policy(hf_d, pp=2)
+    r.train_step(batch, loss_fn, TEMPERATURE, with_entropy=True)
     _save(out, "checkpoint", {"step1": step1, "b_loaded": b_loaded, "c_loaded": c_loaded,
                               "a_step2": a_step2, "b_step2": b_step2, "a_logps2": a_logps2,
                               "b_logps2": b_logps2, "b_steps": b.steps, "c_steps": c.steps,
                               "d_step1": d_step1, "d_step2": d_step2, "e_step2": e_step2,
-                              "f_loaded": f_loaded, "f_step2": f_step2, "mismatch": mismatch})
+                              "f_loaded": f_loaded, "f_step2": f_step2, "mismatch": mismatch,
+                              "fresh_loaded": g_loaded, "fresh_steps": g_steps, "fresh_step": g_step,
+                              "fresh_ref_step": _export(r)})
 
 
 def run_resume_exact(out, hf_dir, ckpt_root):

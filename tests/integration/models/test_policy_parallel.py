@@ -176,6 +176,19 @@ def test_distributed_optimizer_checkpoint_weights_and_kind(run):
     assert "written with use_distributed_optimizer=True" in ck["mismatch"]
 
 
+def test_fresh_optimizer_load_across_layouts_and_optimizers(run):
+    """stages[].optimizer_state=fresh: the weights only of a distributed-optimizer TP=2 x DP=2
+    checkpoint, into a plain-optimizer PP=2 x DP=2 policy that trained before; its next step equals
+    that of a policy built anew at PP=2 from the checkpoint's weights (exported to HF), bit for bit."""
+    ck = run["load"]("checkpoint")
+    assert set(ck["fresh_loaded"]) == set(ck["d_step1"])
+    assert all(torch.equal(ck["fresh_loaded"][n], ck["d_step1"][n]) for n in ck["d_step1"])
+    assert ck["fresh_steps"] == 0
+    assert set(ck["fresh_step"]) == set(ck["fresh_ref_step"])
+    assert all(torch.equal(ck["fresh_step"][n], ck["fresh_ref_step"][n]) for n in ck["fresh_ref_step"])
+    assert _max_weight_diff(ck["fresh_step"], ck["d_step1"]) > 5e-4  # the step changed them
+
+
 @pytest.mark.parametrize("layout", ["distopt_tp2_dp2", "plain_tp2_pp2"])
 @pytest.mark.parametrize("start", [0, 1])
 def test_resume_matches_the_uninterrupted_run(layout, start, run):

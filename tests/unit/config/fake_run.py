@@ -156,12 +156,16 @@ class BigramPolicy:
         Path(path).mkdir(parents=True, exist_ok=True)
         torch.save({"theta": self.theta.detach().clone(), "lr": self.lr}, Path(path) / "theta.pt")
 
-    def load_checkpoint(self, path) -> None:
+    def load_checkpoint(self, path, fresh_optimizer: bool = False) -> None:
         state = torch.load(Path(path) / "theta.pt")
         with torch.no_grad():
             self.theta.copy_(state["theta"])
+        where = Path(path).parent.parent.name + "/" + Path(path).parent.name
+        if fresh_optimizer:  # the weights only (plain SGD has no moments: the lr stays as it is)
+            self.log.add("load_weights", where)
+            return
         self.lr = state["lr"]
-        self.log.add("load", Path(path).parent.parent.name + "/" + Path(path).parent.name)
+        self.log.add("load", where)
 
 
 def _processed(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:

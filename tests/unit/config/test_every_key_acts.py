@@ -669,6 +669,8 @@ PROBES: dict[str, Probe] = {
     "stages.0.plateau.patience": Probe("1", R, PLATEAU),
     "stages.0.plateau.min_delta": Probe("2.0", R, [*PLATEAU, "stages.0.plateau.patience=1"]),
     "stages.0.lr": Probe("0.01", R),
+    # the first stage starts from the SFT cold start's result: its weights only, a new optimizer
+    "stages.0.optimizer_state": Probe("fresh", R, ["sft.enabled=true"]),
     # the weight sync: a broken engine (never reports the loaded version) is caught by verify
     "sync.verify": Probe("false", RB),
     "sync.probe_tolerance": Probe("100.0", observe_run_stale_engine),
