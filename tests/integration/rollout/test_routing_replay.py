@@ -287,6 +287,7 @@ def test_routing_replay_server_routes_equal_transformers_router_and_span_an_upda
                      SamplingSpec(n=1, temperature=0.0, max_tokens=12),
                      SamplingSpec(n=2, temperature=1.0, max_tokens=12, seed=6)):  # the long prompt cached
             _check_groups(fleet.generate(prompts, spec), prompts, hf, f"server {spec.n} {spec.temperature}")
+        _check_fleet_trajectories(fleet, env)
         # partial rollouts: frozen (/pause?mode=keep), new routers through the gloo sync, recomputed, resumed
         new = env["new"]
         stream = FleetStream(fleet)
@@ -322,6 +323,31 @@ def test_routing_replay_server_routes_equal_transformers_router_and_span_an_upda
         load_routers(hf, weights)
         sync.close()
         fleet.close()
+
+
+def _check_fleet_trajectories(fleet, env) -> None:
+    """Multi-turn trajectories with a tool through the fleet (the server): routes for the whole
+    interleaved sequence, transformers' top-k sets at every row (one weight version)."""
+    from multi_turn_ref import records, stop_ids
+    from transformers import AutoTokenizer
+
+    from megatron_rl.envs import EnvConfig, Environments
+    from megatron_rl.rollout import SamplingSpec
+    from megatron_rl.rollout.multi_turn import generate
+
+    tok = AutoTokenizer.from_pretrained(env["model"])
+    envs = Environments(EnvConfig(), tok, max_turns=3)
+    recs = records(tok, 2, offset=5)
+    try:
+        out = generate(fleet, envs, recs, SamplingSpec(n=2, temperature=1.0, max_tokens=40, seed=8,
+                                                       stop_token_ids=stop_ids(tok)))
+    finally:
+        envs.close()
+    for r, group in zip(recs, out):
+        for c in group:
+            assert c.routes is not None and c.routes.shape[0] == len(r.prompt_ids) + len(c.token_ids) - 1
+            assert_routes_match(c.routes, env["hf"], (r.prompt_ids + c.token_ids)[:-1], f"server trajectory {r.uid}")
+    assert any(c.extra["episode"]["turns"] >= 2 for g in out for c in g), "no trajectory took two turns"
 
 
 def test_routing_replay_server_returning_routes_another_way_is_refused(env):
