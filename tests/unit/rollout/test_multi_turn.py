@@ -719,10 +719,25 @@ def test_multi_turn_routing_replay_rows_come_from_the_turn_that_computed_them():
         assert last["start"] == first["tokens"] + obs["tokens"]
     assert all(c.routes is None for c in lost)  # turn 2 returned none
 
-    # the trainer's side: placeholder rows only where nothing is trained
-    assert engine_routes(None, 5, "x", untrained=(3, 2)).tolist() == [[[0, 1]] * 3] * 5
+    # the trainer's batch: the trajectory's rows (+ the last token's copy); placeholder rows only for
+    # a trajectory with no token of the model's (no forward ran on it), never for one with
+    from megatron_rl.algo import AlgoConfig
+    from megatron_rl.trainer import phases
+    from megatron_rl.trainer.routing_replay import ENGINE
+
+    c = group[0]
+    empty = Completion(token_ids=c.token_ids[:5], logprobs=[0.0] * 5, text="", finish_reason="length",
+                       truncated=True, loss_mask=[0] * 5)
+    ro = phases.Rollout(records=[record], completions=[c, empty], group_ids=torch.tensor([0, 0]),
+                        rewards=torch.tensor([1.0, 0.0]), truncated=torch.tensor([False, True]))
+    batch, _ = phases.make_batch(ro, AlgoConfig())
+    rows, placeholder = batch.position_fields[ENGINE]
+    assert torch.equal(rows[:-1], torch.from_numpy(c.routes).to(torch.int16)) and torch.equal(rows[-1], rows[-2])
+    assert placeholder.shape == (P + 5, 3, 2) and (placeholder == torch.tensor([0, 1], dtype=torch.int16)).all()
     with pytest.raises(RuntimeError, match="no MoE routes"):
-        engine_routes(None, 5, "x")
+        phases.make_batch(phases.Rollout(records=[record], completions=[c, lost[0]], group_ids=torch.tensor([0, 0]),
+                                         rewards=torch.tensor([1.0, 0.0]), truncated=torch.tensor([False, False])),
+                          AlgoConfig())
     # metrics over the model's tokens: positions predicting observation tokens count in neither
     engine = [torch.tensor([[[0, 1]]] * 6)]
     trainer = [torch.tensor([[[0, 1]], [[1, 0]], [[2, 3]], [[2, 3]], [[1, 0]], [[0, 1]]])]
