@@ -25,6 +25,13 @@ n_sgd=2: every router call of both passes routes as the old pass recorded, while
 choice moved after the first step. Recomputation: the recomputed forward pops its own micro-batch's
 targets (PP2's 1F1B runs a forward before the previous backward): the gradients equal the run
 without it. The KL reference, a second model in the process, routes freely mid-replay.
+
+Multi-turn trajectories with a tool (``rollout/multi_turn.py``): on the in-process engine, with the
+weights changed before every turn's request, each row of a trajectory is the top-k of the turn whose
+forward computed it (the prompt's and turn k's tokens': turn k; turn k's last token's and the
+observation's: turn k + 1), with a prefix served from the cache to the later turns too; r3 routes
+every position as the engine did and gives the forced reference's log-probs; the routing metrics
+count the model's tokens only. Through the fleet (the server): every row transformers' top-k.
 """
 
 from __future__ import annotations
