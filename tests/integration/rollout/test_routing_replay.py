@@ -346,7 +346,7 @@ def _check_fleet_trajectories(fleet, env) -> None:
     envs = Environments(EnvConfig(), tok, max_turns=3)
     recs = records(tok, 2, offset=5)
     try:
-        out = generate(fleet, envs, recs, SamplingSpec(n=2, temperature=1.0, max_tokens=40, seed=8,
+        out = generate(fleet, envs, recs, SamplingSpec(n=2, temperature=1.0, max_tokens=60, seed=8,
                                                        stop_token_ids=stop_ids(tok)))
     finally:
         envs.close()
@@ -596,19 +596,19 @@ def test_routing_replay_multi_turn_tool_trajectories_carry_each_turns_rows_and_r
         return real(prompt_ids, sampling, tags, on_done)
 
     cached = lambda: engine.llm.collective_rpc(lambda w: w._mrl_route_capture.cached_rows)[0]  # noqa: E731
-    spec = SamplingSpec(n=1, temperature=1.0, max_tokens=60, seed=3, stop_token_ids=stop_ids(tok))
+    spec = SamplingSpec(n=1, temperature=1.0, max_tokens=120, seed=3, stop_token_ids=stop_ids(tok))
     long = PromptRecord(prompt_ids=env["prompts"][2], prompt_text=QUESTIONS[2], ground_truth="0",
                         style="exact_boxed", data_source="t", uid="long", row=9, env=ENV)
     try:
         alternated = []
         engine.submit = alternating
-        for r in records(tok, 3):
+        for r in records(tok, 4):
             turns_sent.clear()
             alternated += [(r, c, len(turns_sent)) for c in generate(engine, envs, [r], spec)[0]]
         del engine.submit
         engine.update_weights(states[0].items(), version=50)
         before = cached()
-        (same,) = generate(engine, envs, [long], dataclasses.replace(spec, n=2, max_tokens=70))
+        (same,) = generate(engine, envs, [long], dataclasses.replace(spec, n=2, max_tokens=90))
         from_cache = cached() - before
     finally:
         engine.__dict__.pop("submit", None)
