@@ -67,12 +67,30 @@ class Interrupted(Exception):
 SAMPLE_LOG = "async_samples.jsonl"
 
 
+def staleness_advice(rollout: RolloutConfig, algo: AlgoConfig) -> str | None:
+    """A warning for a run that trains on stale samples without an off-policy correction (None: no
+    advice). With one optimizer step per rollout the PPO ratio against the recomputed old policy is
+    1, so only TIS / IcePop (``algo.mismatch.mode``) or the decoupled objective weigh a sample by
+    how far the weights that sampled it are from the ones being updated."""
+    stale = rollout.async_.max_staleness
+    if stale < 1 or algo.mismatch.mode != "none" or algo.policy_loss == "decoupled_ppo":
+        return None
+    return (f"rollout.async.max_staleness={stale} trains on samples up to {stale} weight "
+            f"version(s) old with algo.mismatch.mode='none' and "
+            f"algo.policy_loss={algo.policy_loss!r}: nothing corrects for the staleness. The "
+            f"measured one-step-off setting is algo.mismatch.mode=tis_token with half the "
+            f"synchronous run's learning rate (README, asynchronous rollouts)")
+
+
 def open_rollouts(ctx: Context, stage: StageConfig, state: TrainerState,
                   loader: PromptLoader | None) -> RolloutScheduler | None:
     """The driver's scheduler for ``stage``, with what the checkpoint it resumes from saved."""
     if not ctx.is_driver:
         return None
     cfg = ctx.cfg
+    advice = staleness_advice(cfg.rollout, cfg.algo)
+    if advice:
+        log.warning("stage %s: %s", stage.name, advice)
     rollouts = RolloutScheduler(ctx.engine, loader, ctx.reward_mgr, cfg.rollout, cfg.algo,
                                 run_seed=cfg.trainer.seed, max_response_len=stage.max_response_len,
                                 step=state.step, sample_log=ctx.run.root / SAMPLE_LOG, stage=stage.name,

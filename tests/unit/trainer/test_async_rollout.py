@@ -13,7 +13,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from megatron_rl.algo.config import AlgoConfig
+from megatron_rl.algo.config import AlgoConfig, MismatchConfig
 from megatron_rl.data.dataset import PromptRecord
 from megatron_rl.data.loader import PromptLoader
 from megatron_rl.rewards import RewardManager
@@ -22,7 +22,7 @@ from megatron_rl.rollout import Completion, RolloutEngine
 from megatron_rl.rollout.config import AsyncConfig, RolloutConfig
 from megatron_rl.rollout.streaming import GroupStream
 from megatron_rl.trainer import phases
-from megatron_rl.trainer.async_rollout import RolloutScheduler, merge_reward_metrics
+from megatron_rl.trainer.async_rollout import RolloutScheduler, merge_reward_metrics, staleness_advice
 from megatron_rl.trainer.config import TrainerConfig
 from megatron_rl.trainer.schema import RunConfig
 
@@ -440,3 +440,15 @@ def test_async_watchdog_counts_timeout_from_the_engines_last_progress(progress):
         with pytest.raises(TimeoutError, match="rollout.timeout_s"):
             sched.next_rollout(0, 100, 0, timer)
     sched.close()
+
+
+def test_stale_samples_without_an_off_policy_correction_get_a_warning_naming_the_measured_setting():
+    """One-step-off without TIS / IcePop / the decoupled objective: nothing weighs a stale sample
+    (the ratio against the recomputed old policy is 1 with one optimizer step), so the run warns."""
+    stale = RolloutConfig(async_=AsyncConfig(max_staleness=1))
+    advice = staleness_advice(stale, AlgoConfig())
+    assert advice is not None and "rollout.async.max_staleness=1" in advice and "tis_token" in advice
+    assert staleness_advice(RolloutConfig(), AlgoConfig()) is None  # synchronous: on-policy
+    for algo in (AlgoConfig(mismatch=MismatchConfig(mode="tis_token")), AlgoConfig(mismatch=MismatchConfig(mode="icepop")),
+                 AlgoConfig(policy_loss="decoupled_ppo")):
+        assert staleness_advice(stale, algo) is None, algo
