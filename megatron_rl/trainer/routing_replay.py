@@ -94,6 +94,15 @@ def logp_gap(logp: list[torch.Tensor], rollout_logp: list[torch.Tensor],
     return sum(gaps) / max(1, len(gaps))
 
 
+def _engine(batch: SequenceBatch) -> list[torch.Tensor]:
+    """The batch's engine routes (r3); a batch of completions that all came without them is refused
+    as one without them would be (``engine_routes``)."""
+    if ENGINE not in batch.position_fields:
+        raise RuntimeError(f"none of the batch's {len(batch)} completions has MoE routes: the engine returned "
+                           f"none (algo.routing_replay=r3 needs them)")
+    return batch.position_fields[ENGINE]
+
+
 class StepRouting:
     """One step's routing replay (see the module doc)."""
 
@@ -109,7 +118,7 @@ class StepRouting:
         """The old-policy log-prob pass: r3 replays the engine's routes; r2 (and the agreement
         metric, when the pass routes freely) records."""
         if self.mode == "r3":
-            return Routes(replay=batch.position_fields[ENGINE])
+            return Routes(replay=_engine(batch))
         if self.mode == "r2" or (self.measure and ENGINE in batch.position_fields):
             return Routes(record=True)
         return None
@@ -141,7 +150,7 @@ class StepRouting:
         """Every update pass (a mini-batch of the step's batch): r3 the engine's routes, r2 the old
         pass's."""
         if self.mode == "r3":
-            return Routes(replay=batch.position_fields[ENGINE])
+            return Routes(replay=_engine(batch))
         if self.mode == "r2" and OLD in batch.position_fields:
             return Routes(replay=batch.position_fields[OLD])
         return None

@@ -738,6 +738,15 @@ def test_multi_turn_routing_replay_rows_come_from_the_turn_that_computed_them():
         phases.make_batch(phases.Rollout(records=[record], completions=[c, lost[0]], group_ids=torch.tensor([0, 0]),
                                          rewards=torch.tensor([1.0, 0.0]), truncated=torch.tensor([False, False])),
                           AlgoConfig())
+    from megatron_rl.trainer.routing_replay import StepRouting
+
+    no_routes = phases.make_batch(phases.Rollout(records=[record], completions=[lost[0]], group_ids=torch.tensor([0]),
+                                                 rewards=torch.tensor([1.0]), truncated=torch.tensor([False])),
+                                  AlgoConfig(filter_zero_variance_groups=False))[0]
+    r3 = StepRouting(AlgoConfig(routing_replay="r3"))
+    for pass_ in (r3.old_pass, r3.update_pass):  # r3, and no completion has routes: said, not a KeyError
+        with pytest.raises(RuntimeError, match="none of the batch's 1 completions has MoE routes"):
+            pass_(no_routes)
     # metrics over the model's tokens: positions predicting observation tokens count in neither
     engine = [torch.tensor([[[0, 1]]] * 6)]
     trainer = [torch.tensor([[[0, 1]], [[1, 0]], [[2, 3]], [[2, 3]], [[1, 0]], [[0, 1]]])]
