@@ -278,7 +278,8 @@ class AlgoConfig(ConfigBase):
     # the rollout engine chose when it sampled (the engines return them). Refused for dense models.
     routing_replay: RoutingReplayMode = "off"
     # MoE: the engines return their routes and each step logs moe/router_agreement (the share of
-    # (token, layer) top-k sets the trainer's own routers choose as the engine did) and
+    # (token, layer) top-k sets the trainer's own routers choose as the engine did, over the model's
+    # response tokens: a multi-turn trajectory's tool observations excepted) and
     # moe/train_infer_logp_gap_free (the log-prob gap without replay); with routing_replay r3 that
     # takes one more forward pass over the batch. Refused for dense models.
     router_agreement: bool = False

@@ -24,6 +24,17 @@ keep their sampled log-probs and weight versions (a turn sampled across a weight
 spans; later turns run on newer weights), observation tokens have loss mask 0 and log-prob 0.0.
 ``extra["episode"]`` records the turns and the tool calls, errors and timeouts.
 
+MoE routes (engines started with ``return_routes``: routing replay, ``megatron_rl.rollout.routes``):
+the trajectory's ``routes`` has a row for every position of the whole interleaved sequence but the
+last, each from the forward that computed it. Turn ``k``'s request (whose prompt is the history)
+returns rows up to its own last sampled token; of those the trajectory keeps the ones past what the
+earlier turns gave: the rows of turn ``k - 1``'s last token (never fed through the model by its own
+turn) and of the observation after it, both computed by turn ``k``'s forward, and those of turn
+``k``'s sampled tokens. The prompt's and turn ``k``'s own rows are never taken from a later request,
+which may have recomputed them on newer weights (a history served from the prefix cache brings its
+rows from the forward that computed that KV: the engine's route capture, as for any prompt). A turn
+that returned no routes (an aborted request) leaves the trajectory without routes.
+
 Seeds: turn 0 of trajectory j of a prompt with seed s is sampled with s + j (what the j-th sample of
 a single-turn request with seed s uses), turn t > 0 with a seed derived from (s, j, t): a trajectory
 re-sent (a failed engine, a resumed run) samples the same turns. Turns that are ready together go to
@@ -47,9 +58,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Hashable
 
+import numpy as np
+
 from megatron_rl.envs.base import BUDGET, StepResult
 from megatron_rl.envs.tools import TIMEOUT
 from megatron_rl.rollout.base import Completion, SamplingSpec
+from megatron_rl.rollout.routes import RoutesError
 from megatron_rl.rollout.streaming import GroupStream, OnDone
 
 if TYPE_CHECKING:
@@ -95,6 +109,8 @@ class _Trajectory:
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     versions: list[int | None] = field(default_factory=list)  # None: an observation before any model token
+    # MoE routes of prompt + ids[:-1] as far as the turns so far computed them (None: no routes)
+    routes: "np.ndarray | None" = None
     turns: list[dict] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)  # the trajectory's text, turn by turn
     model_turns: int = 0
@@ -359,6 +375,7 @@ class MultiTurnStream(GroupStream):
     def _append_turn(self, traj: _Trajectory, c: Completion) -> None:
         """Add a sampled turn. The trajectory ends here when the turn did not stop by itself (cut at
         the room left: "length") or was the last of rollout.max_turns; else the environment steps."""
+        traj.routes = _join_routes(traj, c)
         traj.turns.append({"role": "assistant", "text": c.text, "tokens": len(c.token_ids), "start": len(traj.ids)})
         traj.pieces.append(c.text)
         traj.ids += c.token_ids
@@ -477,7 +494,23 @@ class MultiTurnStream(GroupStream):
                           text="".join(t.pieces), finish_reason=t.finish_reason,
                           truncated=t.ended == "length", weight_version=first,
                           version_spans=spans if len({v for v, _, _ in spans}) > 1 else [], engine=t.engine,
-                          loss_mask=list(t.mask), extra={"episode": episode})
+                          loss_mask=list(t.mask), routes=t.routes, extra={"episode": episode})
+
+
+def _join_routes(t: _Trajectory, c: Completion) -> "np.ndarray | None":
+    """The trajectory's routes once turn ``c`` is appended: those it has, then ``c``'s rows of the
+    positions after them (see the module doc). ``c.routes`` covers its request's prompt (the
+    history) and its own tokens but the last."""
+    if c.routes is None or (t.routes is None and t.model_turns > 0):
+        return None  # no routes (an engine without them, an aborted turn): none for the trajectory
+    need = len(t.prompt_ids) + len(t.ids) + len(c.token_ids) - 1
+    if len(c.routes) != need:
+        raise RoutesError(f"multi-turn turn {t.model_turns} ({c.engine}): {len(c.routes)} rows of routes for a "
+                          f"request of {len(t.prompt_ids) + len(t.ids)} prompt and {len(c.token_ids)} sampled "
+                          f"tokens (need {need})")
+    if t.routes is None:
+        return c.routes
+    return np.concatenate([t.routes, c.routes[len(t.routes):]])
 
 
 def _spans(versions: list[int]) -> list[tuple[int, int, int]]:

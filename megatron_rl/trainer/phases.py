@@ -139,8 +139,10 @@ def make_batch(ro: Rollout, algo: AlgoConfig, max_response_len: int | None = Non
                     "group_ids": ro.group_ids[idx], "truncated": ro.truncated[idx]},
     )
     if any(c.routes is not None for c in comps):  # MoE routing replay: the engine's routes travel along
+        shape = next(c.routes for c in comps if c.routes is not None).shape[1:]
         batch.position_fields[routing_replay.ENGINE] = [
-            routing_replay.engine_routes(c.routes, len(seq), f"completion {i} of the batch ({c.engine})")
+            routing_replay.engine_routes(c.routes, len(seq), f"completion {i} of the batch ({c.engine})",
+                                         untrained=None if any(c.model_tokens()) else shape)
             for i, (c, seq) in enumerate(zip(comps, batch.sequences))]
     metrics["batch/tokens"] = float(sum(len(c.token_ids) for c in comps))
     return batch, metrics

@@ -25,10 +25,18 @@ n_sgd=2: every router call of both passes routes as the old pass recorded, while
 choice moved after the first step. Recomputation: the recomputed forward pops its own micro-batch's
 targets (PP2's 1F1B runs a forward before the previous backward): the gradients equal the run
 without it. The KL reference, a second model in the process, routes freely mid-replay.
+
+Multi-turn trajectories with a tool (``rollout/multi_turn.py``): on the in-process engine, with the
+weights changed before every turn's request, each row of a trajectory is the top-k of the turn whose
+forward computed it (the prompt's and turn k's tokens': turn k; turn k's last token's and the
+observation's: turn k + 1), with a prefix served from the cache to the later turns too; r3 routes
+every position as the engine did and gives the forced reference's log-probs; the routing metrics
+count the model's tokens only. Through the fleet (the server): every row transformers' top-k.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from pathlib import Path
@@ -286,6 +294,7 @@ def test_routing_replay_server_routes_equal_transformers_router_and_span_an_upda
                      SamplingSpec(n=1, temperature=0.0, max_tokens=12),
                      SamplingSpec(n=2, temperature=1.0, max_tokens=12, seed=6)):  # the long prompt cached
             _check_groups(fleet.generate(prompts, spec), prompts, hf, f"server {spec.n} {spec.temperature}")
+        _check_fleet_trajectories(fleet, env)
         # partial rollouts: frozen (/pause?mode=keep), new routers through the gloo sync, recomputed, resumed
         new = env["new"]
         stream = FleetStream(fleet)
@@ -321,6 +330,31 @@ def test_routing_replay_server_routes_equal_transformers_router_and_span_an_upda
         load_routers(hf, weights)
         sync.close()
         fleet.close()
+
+
+def _check_fleet_trajectories(fleet, env) -> None:
+    """Multi-turn trajectories with a tool through the fleet (the server): routes for the whole
+    interleaved sequence, transformers' top-k sets at every row (one weight version)."""
+    from multi_turn_ref import records, stop_ids
+    from transformers import AutoTokenizer
+
+    from megatron_rl.envs import EnvConfig, Environments
+    from megatron_rl.rollout import SamplingSpec
+    from megatron_rl.rollout.multi_turn import generate
+
+    tok = AutoTokenizer.from_pretrained(env["model"])
+    envs = Environments(EnvConfig(), tok, max_turns=3)
+    recs = records(tok, 2, offset=5)
+    try:
+        out = generate(fleet, envs, recs, SamplingSpec(n=2, temperature=1.0, max_tokens=60, seed=8,
+                                                       stop_token_ids=stop_ids(tok)))
+    finally:
+        envs.close()
+    for r, group in zip(recs, out):
+        for c in group:
+            assert c.routes is not None and c.routes.shape[0] == len(r.prompt_ids) + len(c.token_ids) - 1
+            assert_routes_match(c.routes, env["hf"], (r.prompt_ids + c.token_ids)[:-1], f"server trajectory {r.uid}")
+    assert any(c.extra["episode"]["turns"] >= 2 for g in out for c in g), "no trajectory took two turns"
 
 
 def test_routing_replay_server_returning_routes_another_way_is_refused(env):
@@ -516,6 +550,123 @@ def test_routing_replay_planted_divergence_agreement_gap_and_forced_reference(en
         print(f"planted divergence: agreement {share:.3f}; gap without replay {free_gap:.3g}, with r3 {replay_gap:.3g}")
     finally:
         load_routers(hf, env["weights"])
+
+
+def _turn_ranges(c, prompt_len: int) -> list[tuple[int, int]]:
+    """The rows each model turn's request gives a trajectory (the module doc of rollout/multi_turn.py,
+    written out): turn k from where turn k - 1's stopped (its last token's row) to its own last token."""
+    out, lo = [], 0
+    for m in c.extra["episode"]["messages"]:
+        if m["role"] == "assistant":
+            hi = prompt_len + m["start"] + m["tokens"] - 1
+            out.append((lo, hi))
+            lo = hi
+    return out
+
+
+def test_routing_replay_multi_turn_tool_trajectories_carry_each_turns_rows_and_r3_replays_them(env, engine, policy):
+    """Multi-turn trajectories with a tool (two tool observations, three model turns) on the in-process
+    engine. Every turn's request runs on other weights than the one before (routers moved), so each
+    row tells which forward computed it: the trajectory has one row per position, the prompt's and
+    turn k's tokens' rows are turn k's weights' transformers top-k sets, turn k's last token's and
+    the observation's rows the next turn's. Without updates (the long prompt: its first KV block
+    served from the prefix cache to the later turns) every row is the weights' top-k. The trainer
+    (r3) routes every position of every trajectory to the engine's experts, 100%, and its log-probs
+    equal transformers' with those experts forced (float64); the routing metrics count the model's
+    tokens only (an observation's rollout log-prob is 0.0)."""
+    from multi_turn_ref import ENV, check_trajectory, records, stop_ids
+
+    from megatron_rl.algo import AlgoConfig
+    from megatron_rl.data.dataset import PromptRecord
+    from megatron_rl.envs import EnvConfig, Environments
+    from megatron_rl.models.batch import LOSS_MASK
+    from megatron_rl.models.routing_replay import Routes
+    from megatron_rl.rollout import SamplingSpec
+    from megatron_rl.rollout.multi_turn import generate
+    from megatron_rl.trainer import grpo
+
+    hf, tok = env["hf"], engine.tokenizer
+    states = [env["weights"], env["new"]]
+    envs = Environments(EnvConfig(), tok, max_turns=3)
+    real, turns_sent = engine.submit, []
+
+    def alternating(prompt_ids, sampling, tags, on_done):  # one trajectory at a time: one request per turn
+        engine.update_weights(states[len(turns_sent) % 2].items(), version=40 + len(turns_sent))
+        turns_sent.append(len(prompt_ids[0]))
+        return real(prompt_ids, sampling, tags, on_done)
+
+    cached = lambda: engine.llm.collective_rpc(lambda w: w._mrl_route_capture.cached_rows)[0]  # noqa: E731
+    spec = SamplingSpec(n=1, temperature=1.0, max_tokens=120, seed=3, stop_token_ids=stop_ids(tok))
+    long = PromptRecord(prompt_ids=env["prompts"][2], prompt_text=QUESTIONS[2], ground_truth="0",
+                        style="exact_boxed", data_source="t", uid="long", row=9, env=ENV)
+    try:
+        alternated = []
+        engine.submit = alternating
+        for r in records(tok, 4):
+            turns_sent.clear()
+            alternated += [(r, c, len(turns_sent)) for c in generate(engine, envs, [r], spec)[0]]
+        del engine.submit
+        engine.update_weights(states[0].items(), version=50)
+        before = cached()
+        (same,) = generate(engine, envs, [long], dataclasses.replace(spec, n=2, max_tokens=90))
+        from_cache = cached() - before
+    finally:
+        engine.__dict__.pop("submit", None)
+        envs.close()
+    assert sum(c.extra["episode"]["turns"] >= 2 for _, c, _ in alternated) >= 2, "too few multi-turn trajectories"
+    assert all(c.extra["episode"]["tool_calls"] >= 1 for _, c, _ in alternated + [(long, c, 0) for c in same]
+               if c.extra["episode"]["turns"] >= 2)
+    telling = 0  # rows where the other version's routers choose otherwise: the check can tell the turns apart
+    for r, c, sent in alternated:
+        P, seq = len(r.prompt_ids), r.prompt_ids + c.token_ids
+        check_trajectory(c, r.prompt_ids, envs.renderer)
+        assert c.routes is not None and c.routes.shape == (len(seq) - 1, SPEC.num_layers, SPEC.num_experts_per_tok)
+        ranges = _turn_ranges(c, P)
+        assert len(ranges) == sent and ranges[-1][1] == len(seq) - 1
+        tops = []
+        for state in states:
+            load_routers(hf, state)
+            tops.append(hf_topk(hf, seq[:-1]))
+        for k, (lo, hi) in enumerate(ranges):
+            (want, clear), (other, _) = tops[k % 2], tops[1 - k % 2]
+            assert_rows_match(c.routes[lo:hi], want[lo:hi], clear[lo:hi], f"{r.uid} turn {k} rows [{lo}, {hi})")
+            telling += int(((want[lo:hi] != other[lo:hi]).any(-1) & clear[lo:hi]).sum())
+    assert telling > 20, telling
+    load_routers(hf, states[0])
+    for c in same:
+        check_trajectory(c, long.prompt_ids, envs.renderer, hf)
+        assert_routes_match(c.routes, hf, (long.prompt_ids + c.token_ids)[:-1], "prefix-cached trajectory")
+    later = sum(c.extra["episode"]["turns"] - 1 for c in same)  # turns whose history's first block is cached
+    assert later >= 1 and from_cache >= 128 * later, (later, from_cache)
+
+    # the trainer (the trainer's weights: the new routers)
+    trajectories = [(r.prompt_ids, c) for r, c, _ in alternated] + [(long.prompt_ids, c) for c in same]
+    d = _replay_batch(trajectories)
+    masks = [torch.tensor(c.model_tokens()) for _, c in trajectories]
+    load_routers(hf, env["new"])
+    try:
+        batch = _sequence_batch(d)
+        batch.token_fields[LOSS_MASK] = [m.clone() for m in masks]
+        with RouterTap(policy, batch) as tap:
+            logp, _ = policy.compute_logprobs(batch, 1.0, with_entropy=False, routes=Routes(replay=d["routes"]))
+        _equal_to_engine(tap.merged(), d["routes"], [len(s) for s in d["sequences"]])
+        refs = [forced_logprobs(hf, s, p, r.numpy()) for s, p, r in zip(d["sequences"], d["prompt_lens"], d["routes"])]
+        err = max((lp.double() - ref).abs().max().item() for lp, ref in zip(logp, refs))
+        assert err < 2e-5, f"multi-turn r3 log-probs {err:.2e} from transformers' with the engine's experts"
+        r3 = grpo.add_logprobs(policy, None, batch, AlgoConfig(routing_replay="r3", router_agreement=True, n_sgd=2),
+                               1.0, 0)
+        gaps = [(ref - rl.double())[m].abs().mean().item() for ref, rl, m in zip(refs, d["rollout_logp"], masks)]
+        assert r3["moe/train_infer_logp_gap_replay"] == pytest.approx(sum(gaps) / len(gaps), abs=1e-4)
+        same_sets = total = unclear = 0  # the agreement: the trainer's own routers on the model's tokens
+        for s, p, r, m in zip(d["sequences"], d["prompt_lens"], d["routes"], masks):
+            want, clear = hf_topk(hf, s)
+            rows = torch.arange(p - 1, len(s) - 1)[m].numpy()
+            eq = (np.sort(r.numpy()[rows].astype(np.int64), -1) == want[rows]).all(-1)
+            same_sets, total, unclear = same_sets + int(eq.sum()), total + eq.size, unclear + int((~clear[rows]).sum())
+        assert r3["moe/router_agreement"] == pytest.approx(same_sets / total, abs=unclear / total + 1e-12)
+    finally:
+        load_routers(hf, env["weights"])
+        engine.update_weights(env["weights"].items(), version=60)
 
 
 def test_routing_replay_reference_policy_routes_freely_while_the_policy_replays(env, groups, policy):

@@ -662,3 +662,97 @@ def test_multi_turn_watchdog_counts_from_the_inner_streams_progress_and_a_runnin
         ENVIRONMENTS.unregister("test_slow_tool")
     assert lag < 0.05, lag
     assert [t for t, _ in got] == ["a"] and got[0][1][0].extra["episode"]["tool_calls"] == 1
+
+
+class _RoutingEngine(ScriptedEngine):
+    """The scripted engine returning MoE routes as an engine started with ``return_routes`` does:
+    ``len(prompt) + len(response) - 1`` rows, each marking the request that computed it (column 0:
+    the request's prompt length, i.e. which turn of a trajectory; column 1: the position);
+    ``no_routes_after``: requests whose prompt is longer come back without routes (an aborted turn)."""
+
+    def __init__(self, no_routes_after: int | None = None):
+        super().__init__()
+        self.no_routes_after = no_routes_after
+
+    def generate(self, prompt_ids, spec):
+        import numpy as np
+
+        out = super().generate(prompt_ids, spec)
+        for p, group in zip(prompt_ids, out):
+            for c in group:
+                if self.no_routes_after is not None and len(p) > self.no_routes_after:
+                    continue
+                n = len(p) + len(c.token_ids) - 1
+                c.routes = np.stack([np.full(n, len(p)), np.arange(n)], -1)[:, None, :].repeat(3, 1)
+        return out
+
+
+def test_multi_turn_routing_replay_rows_come_from_the_turn_that_computed_them():
+    """MoE routes of a trajectory (calculator: call, observation, answer): one row per position of
+    prompt + trajectory but the last; the prompt's and turn 1's tokens' rows from turn 1's request,
+    the rows of turn 1's last token, of the observation and of turn 2's tokens from turn 2's request
+    (whose prompt is the history). A turn without routes leaves the trajectory without them; a
+    trajectory with no token of the model's gets placeholder rows in the trainer's batch, and the
+    routing metrics count the model's tokens only."""
+    import numpy as np
+    import torch
+
+    from megatron_rl.trainer.routing_replay import engine_routes, logp_gap, router_agreement
+
+    envs = _envs()
+    record = _record(12, 34, i=0)
+    try:
+        (group,) = generate(_RoutingEngine(), envs, [record], SPEC)
+        (lost,) = generate(_RoutingEngine(no_routes_after=len(record.prompt_ids)), envs, [record], SPEC)
+    finally:
+        envs.close()
+    P = len(record.prompt_ids)
+    for c in group:
+        first, obs, last = c.extra["episode"]["messages"]
+        assert c.routes.shape == (P + len(c.token_ids) - 1, 3, 2)
+        assert (c.routes[:, :, 1] == np.arange(len(c.routes))[:, None]).all()  # row p is position p
+        # which request computed each row: turn 1's (prompt length P) up to its own last token's
+        # position, turn 2's (prompt: the history, P + its start) from there
+        split = P + first["tokens"] - 1
+        want = np.where(np.arange(len(c.routes)) < split, P, P + last["start"])
+        assert (c.routes[:, :, 0] == want[:, None]).all(), c.routes[:, 0, 0]
+        assert last["start"] == first["tokens"] + obs["tokens"]
+    assert all(c.routes is None for c in lost)  # turn 2 returned none
+
+    # the trainer's batch: the trajectory's rows (+ the last token's copy); placeholder rows only for
+    # a trajectory with no token of the model's (no forward ran on it), never for one with
+    from megatron_rl.algo import AlgoConfig
+    from megatron_rl.trainer import phases
+    from megatron_rl.trainer.routing_replay import ENGINE
+
+    c = group[0]
+    empty = Completion(token_ids=c.token_ids[:5], logprobs=[0.0] * 5, text="", finish_reason="length",
+                       truncated=True, loss_mask=[0] * 5)
+    ro = phases.Rollout(records=[record], completions=[c, empty], group_ids=torch.tensor([0, 0]),
+                        rewards=torch.tensor([1.0, 0.0]), truncated=torch.tensor([False, True]))
+    batch, _ = phases.make_batch(ro, AlgoConfig())
+    rows, placeholder = batch.position_fields[ENGINE]
+    assert torch.equal(rows[:-1], torch.from_numpy(c.routes).to(torch.int16)) and torch.equal(rows[-1], rows[-2])
+    assert placeholder.shape == (P + 5, 3, 2) and (placeholder == torch.tensor([0, 1], dtype=torch.int16)).all()
+    with pytest.raises(RuntimeError, match="no MoE routes"):
+        phases.make_batch(phases.Rollout(records=[record], completions=[c, lost[0]], group_ids=torch.tensor([0, 0]),
+                                         rewards=torch.tensor([1.0, 0.0]), truncated=torch.tensor([False, False])),
+                          AlgoConfig())
+    from megatron_rl.trainer.routing_replay import StepRouting
+
+    no_routes = phases.make_batch(phases.Rollout(records=[record], completions=[lost[0]], group_ids=torch.tensor([0]),
+                                                 rewards=torch.tensor([1.0]), truncated=torch.tensor([False])),
+                                  AlgoConfig(filter_zero_variance_groups=False))[0]
+    r3 = StepRouting(AlgoConfig(routing_replay="r3"))
+    for pass_ in (r3.old_pass, r3.update_pass):  # r3, and no completion has routes: said, not a KeyError
+        with pytest.raises(RuntimeError, match="none of the batch's 1 completions has MoE routes"):
+            pass_(no_routes)
+    # metrics over the model's tokens: positions predicting observation tokens count in neither
+    engine = [torch.tensor([[[0, 1]]] * 6)]
+    trainer = [torch.tensor([[[0, 1]], [[1, 0]], [[2, 3]], [[2, 3]], [[1, 0]], [[0, 1]]])]
+    mask = [torch.tensor([True, True, False, False, True])]  # response tokens 1-5 (prompt 1)
+    assert router_agreement(trainer, engine, [1], [6]) == pytest.approx(3 / 5)
+    assert router_agreement(trainer, engine, [1], [6], mask) == pytest.approx(1.0)
+    logp, rollout = [torch.tensor([-1.0, -2.0, -3.0, -1.5, -1.0])], [torch.tensor([-1.0, -2.5, 0.0, 0.0, -1.0])]
+    assert logp_gap(logp, rollout, mask) == pytest.approx(0.5 / 3)
+    assert logp_gap(logp, rollout) == pytest.approx(5.0 / 5)
