@@ -157,8 +157,9 @@ def test_generation_client_parses_answers_and_names_failures():
         groups = engine.generate([[1, 2], [3]], spec)
         assert [[c.token_ids for c in g] for g in groups] == [[[5, 6], [5, 7], [5, 8]]] * 2
         assert groups[0][2].logprobs == [-0.5, -3.0] and groups[0][0].weight_version == 3
-        assert [b["token_ids"] for b in ok.bodies] == [[1, 2], [3]] and ok.bodies[0]["path"] == GENERATE
-        assert [b["sampling_params"]["seed"] for b in ok.bodies] == [7, 8]  # prompt i: seed + i
+        # the prompts are sent concurrently: the server may see them in either order
+        sent = sorted((b["token_ids"], b["sampling_params"]["seed"], b["path"]) for b in ok.bodies)
+        assert sent == [([1, 2], 7, GENERATE), ([3], 8, GENERATE)]  # prompt i: seed + i
         asyncio.run(engine.abort(["r1"]))
         assert ok.bodies[-1] == {"path": "/abort_requests", "request_ids": ["generate-tokens-r1"]}
     finally:
