@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from megatron_rl.tracking.logs import ConsoleFilter, hidden_warnings, route_logs, set_console_verbose
+from megatron_rl.tracking.logs import (ConsoleFilter, EarlyRecords, hidden_warnings, hold_early_records, route_logs,
+                                      set_console_verbose)
 
 
 def _drop_console_filters() -> None:
@@ -74,3 +75,46 @@ def test_verbose_brings_the_libraries_back(tmp_path, console):
     logging.getLogger("vllm").info("second chatter")
     assert "second chatter" not in console.getvalue()
     assert route_logs(tmp_path, rank=3).name == "run.rank3.log"
+
+
+def test_warnings_before_the_run_dir_exists_go_to_the_run_log(tmp_path, console):
+    """Megatron-Core warns at its import ("Transformer Engine and Apex are not installed"), before the
+    run directory exists: held, off the console, counted, then written into run.log."""
+    import warnings
+
+    logging.getLogger().setLevel(logging.INFO)  # (the entry point's level)
+    set_console_verbose(False)
+    hold_early_records()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.")
+    logging.getLogger("megatron_rl").info("our own early line")
+    assert "Transformer Engine" not in console.getvalue() and "our own early line" in console.getvalue()
+    path = route_logs(tmp_path)
+    text = path.read_text()
+    assert "Transformer Engine and Apex are not installed" in text and "our own early line" in text
+    assert hidden_warnings() == 1
+    assert not any(isinstance(h, EarlyRecords) for h in logging.getLogger().handlers)
+
+
+def test_the_real_megatron_import_keeps_the_console_clean(tmp_path):
+    """The entry point's logging set-up, then the real Megatron-Core import: no line on the console
+    says error, deprecated or warning; Megatron's fallback warnings (on a machine without Transformer
+    Engine and Apex) are in run.log."""
+    import importlib.util
+    import os
+    import re
+    import subprocess
+    import sys
+
+    code = ("import sys; from megatron_rl.cli import _setup_logging; _setup_logging(); "
+            "import megatron.core.optimizer, megatron.core.distributed; "
+            "from megatron_rl.tracking.logs import route_logs; route_logs(sys.argv[1]); print('imported')")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}  # (scripts/test.sh ignores them)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, env=env)
+    shown = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "imported" in proc.stdout, shown[-3000:]
+    assert not re.search(r"error|deprecat|warn", shown, re.I), shown[-3000:]
+    if importlib.util.find_spec("transformer_engine") is None and importlib.util.find_spec("apex") is None:
+        assert "Transformer Engine and Apex are not installed" in (tmp_path / "logs" / "run.log").read_text()
