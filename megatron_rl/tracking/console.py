@@ -39,7 +39,7 @@ class StageProgress:
         """Log the step's line; ``note`` (e.g. why there was no update) ends it."""
         acc = metrics.get("rollout/accuracy")
         self._phase.update(step, info="" if acc is None else f"acc {acc:.3f}")
-        eta = "" if self._phase.on_terminal else self._phase.eta_words()
+        eta = "" if self._phase.on_terminal or step >= self.total else self._phase.eta_words()
         line = " ".join(part for part in (step_line(metrics), note, f"({eta})" if eta else "") if part)
         log.info("[%s %d/%d] %s", self.name, step, self.total, line)
 

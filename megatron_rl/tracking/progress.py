@@ -5,13 +5,14 @@ On a terminal each phase is a rich progress bar with its ETA (bars of phases ins
 one display; log lines print above it); off a terminal (CI, Slurm logs, a pipe) there are plain lines
 instead. Every phase is one call where it runs::
 
-    with Phase("sft cold start", total=3000, unit="steps", at_most=True) as p:   # counted
+    with Phase("sft", total=3000, unit="steps", max_seconds=600) as p:   # counted
         ... p.update(step, info="val acc 0.21")
     with Phase("evaluation [start]", kind="eval", work=500):                     # timed
         ...
 
 A *counted* phase knows its total (steps); its ETA comes from its pace (``at_most``: the total is a cap,
-the phase may stop earlier, so the ETA is an upper bound). A *timed* phase knows how long it should
+the phase may stop earlier, so the ETA is an upper bound; ``max_seconds``: the clock ends it by then at
+the latest, an upper bound too). A *timed* phase knows how long it should
 take: ``estimate_s``, or ``kind`` + ``work`` (seconds per unit of work learned from the last phase of
 the same kind in this process: the second evaluation knows what the first one took). Without an
 estimate it shows the time elapsed.
@@ -34,7 +35,7 @@ from typing import Callable
 
 log = logging.getLogger("megatron_rl")
 
-# Off a terminal, a counted phase prints a line at most this often (and at its end).
+# Off a terminal, a counted phase prints a line at most this often (the caller says how it ended).
 PLAIN_EVERY_S = 30.0
 # Seconds per unit of work of the last finished timed phase of each kind (this process).
 _RATES: dict[str, float] = {}
@@ -111,6 +112,8 @@ class _Display:
                 if task.total is None:
                     return Text("")
                 left = task.total - task.completed if task.fields["timed"] else task.time_remaining
+                if task.fields["max_seconds"] and task.elapsed is not None:  # the clock's own bound
+                    left = min(left if left is not None else float("inf"), task.fields["max_seconds"] - task.elapsed)
                 return Text("eta …" if left is None else f"eta {task.fields['eta_prefix']}{duration(left)}")
 
         progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), Count(), TimeElapsedColumn(),
@@ -185,11 +188,13 @@ class Phase:
     def _show(self) -> None:
         prefix = "≤ " if self.at_most else ""
         if not self.timed:
-            self._task = _DISPLAY.add(self.label, self.total, self.done, timed=False, unit=self.unit, eta_prefix=prefix)
+            self._task = _DISPLAY.add(self.label, self.total, self.done, timed=False, unit=self.unit,
+                                      eta_prefix=prefix, max_seconds=self.max_seconds)
             return
         known = self.estimate_s is not None
         total = self.before_s + self.estimate_s + self.after_s if known else None
-        self._task = _DISPLAY.add(self.label, total, self.before_s, timed=True, unit="", eta_prefix=prefix)
+        self._task = _DISPLAY.add(self.label, total, self.before_s, timed=True, unit="", eta_prefix=prefix,
+                                  max_seconds=0)
         if known:
             _DISPLAY.time(self._task, self._t0, self.before_s, self.estimate_s)
 
@@ -235,8 +240,6 @@ class Phase:
         if self._task is not None:
             _DISPLAY.remove(self._task)
             self._task = None
-        elif self.lines and not self.timed and not self.end_line and exc_type is None:
-            self.say(f"{self.label}: {self.done:g}/{self.total:g} {self.unit} in {duration(self.elapsed)}")
         if self.end_line and exc_type is None:
             self.say(f"{self.label}: {duration(self.elapsed)}")
 

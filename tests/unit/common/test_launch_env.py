@@ -98,7 +98,7 @@ def test_rank_hint_reads_what_it_can():
 
 
 @pytest.mark.parametrize("name", ["no MASTER_ADDR/PORT", "no RANK", "RANK = WORLD_SIZE", "LOCAL_RANK = LOCAL_WORLD_SIZE",
-                                  "WORLD_SIZE=two", "MASTER_PORT=http", "RANK=-1"])
+                                  "WORLD_SIZE=two", "MASTER_PORT=http", "RANK=-1", "RANK=1.0"])
 def test_the_entry_point_says_it_in_one_line(capsys, monkeypatch, tmp_path, name):
     """``megatron-rl demo`` as each rank of a launch made by hand runs it: one line, exit 2, before
     anything is made (also when RANK itself is no number: the line still prints)."""

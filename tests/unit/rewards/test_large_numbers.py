@@ -13,7 +13,7 @@ import sys
 from fractions import Fraction
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from megatron_rl.rewards import RewardConfig, RewardItem
 from megatron_rl.rewards.base import CORRECT, WRONG
@@ -61,7 +61,9 @@ def _written(rng: random.Random, n_digits: int) -> tuple[str, Fraction, bool]:
         return f"{sign}10^{{{e}}}", Fraction(int(sign + "1")) * 10**e, False
     cut = rng.randint(1, n_digits - 1)
     num, den = digits[:cut], digits[cut:].lstrip("0") or "7"
-    if form == "frac":
+    if form == "frac":  # the sign in front, or on the denominator
+        if rng.random() < 0.5:
+            return f"\\frac{{{num}}}{{{sign}{den}}}", Fraction(int(num), int(sign + den)), False
         return f"{sign}\\frac{{{num}}}{{{den}}}", Fraction(int(sign + num), int(den)), False
     return f"\\frac{{{sign}{num}.5}}{{{den}}}", Fraction(int(sign + num + "5"), 10 * int(den)), True
 
@@ -85,6 +87,29 @@ def test_large_numbers_compare_as_python_arithmetic_says(seed, long_ints):
         assert got is want, (a_text[:80], b_text[:80], want)
 
 
+BIG = "1" + "0" * (LARGE_DIGITS + 20)  # a large integer part
+
+
+@pytest.mark.parametrize("a_text, b_text", [
+    # ties at the 6th decimal round to the even neighbour
+    (f"{BIG}.0000005", BIG), (f"{BIG}.0000015", f"{BIG}.000002"), (f"{BIG}.0000025", f"{BIG}.000002"),
+    (f"-{BIG}.0000035", f"-{BIG}.000004"), (f"{BIG}.00000050001", f"{BIG}.000001"),
+    # signs on either part of a fraction
+    (f"\\frac{{{BIG}}}{{-3}}", f"-\\frac{{{BIG}}}{{3}}"), (f"\\frac{{-{BIG}}}{{-3}}", f"\\frac{{{BIG}}}{{3}}"),
+    (f"-\\frac{{-{BIG}}}{{3}}", f"{BIG}/3"), (f"{BIG}/-3", f"{BIG}/3"),
+])
+def test_ties_and_signs_as_python_arithmetic_says(a_text, b_text, long_ints):
+    def value(t):
+        t = t.replace("\\frac{", "").replace("}{", "/").replace("}", "")
+        sign = -1 if t.startswith("-") else 1  # (a sign in front; the parts may have their own)
+        num, _, den = t.removeprefix("-").partition("/")
+        return sign * Fraction(num) / Fraction(den or "1")
+
+    a, b = value(a_text), value(b_text)
+    want = _same(a, b, "." in a_text + b_text)
+    assert numbers_equal(parse_number(a_text), parse_number(b_text)) is want, (a_text[-20:], b_text[-20:], want)
+
+
 # Small numbers: where math-verify is reliable, the rules agree with it. (Not at exact ties of the
 # 6-decimal rounding, such as 0.0000005: math-verify rounds the binary float, which lies on either side.)
 SMALL = st.one_of(
@@ -99,6 +124,10 @@ SMALL = st.one_of(
 
 @settings(max_examples=150, deadline=None)
 @given(SMALL, SMALL)
+@example("\\frac{1}{3}", "0.3333333").via("equal at 6 decimals")
+@example("\\frac{-2}{3}", "-0.666667").via("equal at 6 decimals")
+@example("50\\%", "0.5").via("a percentage")
+@example("1.5\\times 10^{3}", "1500").via("scientific notation")
 def test_small_numbers_agree_with_math_verify(gold, pred):
     from math_verify import parse, verify
 

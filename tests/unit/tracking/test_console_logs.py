@@ -98,9 +98,10 @@ def test_warnings_before_the_run_dir_exists_go_to_the_run_log(tmp_path, console)
 
 
 def test_the_real_megatron_import_keeps_the_console_clean(tmp_path):
-    """The entry point's logging set-up, then the real Megatron-Core import: no line on the console
-    says error, deprecated or warning; Megatron's fallback warnings (on a machine without Transformer
-    Engine and Apex) are in run.log."""
+    """The entry point's logging set-up, then the real Megatron-Core import and the call with which
+    vLLM's CPU worker binds its memory (torch prints a C++ "Warning: NUMA binding ..." for it): no line
+    on the console says error, deprecated or warning; Megatron's fallback warnings (on a machine without
+    Transformer Engine and Apex) are in run.log."""
     import importlib.util
     import os
     import re
@@ -108,9 +109,11 @@ def test_the_real_megatron_import_keeps_the_console_clean(tmp_path):
     import sys
 
     code = ("import sys; from megatron_rl.cli import _setup_logging; _setup_logging(); "
-            "import megatron.core.optimizer, megatron.core.distributed; "
+            "import megatron.core.optimizer, megatron.core.distributed; import torch\n"
+            "try:\n    import vllm._C; torch.ops._C.init_cpu_memory_env([0])\nexcept (ImportError, AttributeError, RuntimeError): pass\n"
             "from megatron_rl.tracking.logs import route_logs; route_logs(sys.argv[1]); print('imported')")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}  # (scripts/test.sh ignores them)
+    # (scripts/test.sh ignores Python warnings; the entry point sets the C++ level itself)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "TORCH_CPP_LOG_LEVEL")}
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
                           timeout=600, env=env)
     shown = proc.stdout + proc.stderr

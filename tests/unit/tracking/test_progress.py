@@ -53,7 +53,7 @@ def test_a_counted_phase_off_a_terminal_says_where_it_is_and_what_is_left(plain,
             p.update(step, info="val acc 0.1")
     assert plain[0] == "sft: 10/100 steps, 5 s, about 45 s left, val acc 0.1"   # 10 steps in 5 s, 90 to go
     assert plain[1] == "sft: 20/100 steps, 10 s, about 40 s left, val acc 0.1"
-    assert plain[-1] == "sft: 20/100 steps in 10 s"
+    assert len(plain) == 2  # (the caller says how it ended)
 
 
 def test_a_cap_is_an_upper_bound_and_the_clock_caps_it_too(plain, monkeypatch):
