@@ -74,10 +74,13 @@ class _Display:
         self._stop = threading.Event()
 
     def add(self, label: str, total: float | None, completed: float, **fields):
+        from rich.markup import escape
+
         with self.lock:
             if self.progress is None:
                 self.progress = self._start()
-            return self.progress.add_task(label, total=total, completed=completed, info="", **fields)
+            # (escaped: "evaluation [start]" is no rich markup)
+            return self.progress.add_task(escape(label), total=total, completed=completed, info="", **fields)
 
     def time(self, task, start: float, before: float, estimate: float) -> None:
         with self.lock:
@@ -204,7 +207,7 @@ class Phase:
         if not self.enabled:
             return
         if self._task is not None:
-            _DISPLAY.update(self._task, completed=completed, info=info)
+            _DISPLAY.update(self._task, completed=completed, info=info.replace("[", "\\["))
         elif self.lines and time.monotonic() - self._last_line >= PLAIN_EVERY_S:
             self._last_line = time.monotonic()
             self.say(self.status(info))

@@ -79,7 +79,8 @@ def sft_loop(ctx: Context, name: str, *, lr: float, stop_accuracy: float, max_se
     state = TrainerState(stage=name)
     t0 = time.perf_counter()
     with Phase(f"{name} (until val acc {stop_accuracy:g})" if stop_accuracy <= 1 else name, total=max_steps,
-               unit="steps", max_seconds=max_seconds, enabled=ctx.is_driver and cfg.tracking.console) as bar:
+               unit="steps", at_most=True, max_seconds=max_seconds,
+               enabled=ctx.is_driver and cfg.tracking.console) as bar:
         for step in itertools.count(1) if max_steps is None else range(1, max_steps + 1):
             if ctx.stop_agreed():  # a signal: leave; SFT restarts from its start when the job is requeued
                 return None, lr

@@ -91,8 +91,11 @@ def test_on_a_terminal_a_bar_with_the_eta(terminal, monkeypatch):
 
 def test_nested_phases_share_one_display(terminal):
     with Phase("stage", total=3, unit="steps"):
-        with Phase("evaluation [stage]", estimate_s=10):
+        with Phase("evaluation [stage1_12]", estimate_s=10):
             assert len(progress._DISPLAY.progress.tasks) == 2
+            time.sleep(0.3)
+    drawn = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", terminal.file.getvalue())
+    assert "evaluation [stage1_12]" in drawn  # a label in brackets is text, not rich markup
     assert progress._DISPLAY.progress is None
 
 
