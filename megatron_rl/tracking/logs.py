@@ -70,10 +70,17 @@ class EarlyRecords(logging.handlers.MemoryHandler):
         return False
 
 
+def _capture_warnings() -> None:
+    """Python warnings become log records (``py.warnings``), also when something replaced
+    ``warnings.showwarning`` since the last capture (``captureWarnings(True)`` alone is then a no-op)."""
+    logging.captureWarnings(False)
+    logging.captureWarnings(True)
+
+
 def hold_early_records() -> None:
     """Before anything imports the libraries: Python warnings become log records (off the console,
     counted) and every record is held until :func:`route_logs` has the file to write them to."""
-    logging.captureWarnings(True)
+    _capture_warnings()
     root = logging.getLogger()
     if not any(isinstance(h, EarlyRecords) for h in root.handlers):
         root.addHandler(EarlyRecords())
@@ -138,7 +145,7 @@ def route_logs(run_dir: str | Path, *, verbose: bool = False, rank: int = 0) -> 
                 lib.removeHandler(h)
         lib.propagate = True
     logging.getLogger("vllm").setLevel(logging.INFO)  # its INFO lines into the file, off the screen
-    logging.captureWarnings(True)
+    _capture_warnings()
     if not verbose:
         try:  # transformers' own progress bars ("Writing model shards") are not log records
             from transformers.utils import logging as hf_logging
