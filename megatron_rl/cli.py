@@ -22,14 +22,12 @@ from pathlib import Path
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo_cpu.yaml"
 
 
-def _setup_logging(verbose: bool = False) -> None:
+def _setup_logging() -> None:
     """Our lines on the console (rank 0; warnings only elsewhere), libraries' INFO off it."""
     from megatron_rl.common.launch_env import rank_hint
-    from megatron_rl.tracking.logs import (hold_early_records, quiet_native_console, quiet_vllm_console,
-                                           set_console_verbose)
+    from megatron_rl.tracking.logs import quiet_vllm_console, set_console_verbose
 
     quiet_vllm_console()  # before anything imports vLLM
-    quiet_native_console(verbose)  # before anything imports torch
     rank = rank_hint()  # (checked in _train, before the world starts)
     try:
         from rich.logging import RichHandler
@@ -42,7 +40,6 @@ def _setup_logging(verbose: bool = False) -> None:
         logging.basicConfig(level=logging.INFO, handlers=[handler])
     handler.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     set_console_verbose(False)
-    hold_early_records()  # libraries' import-time warnings (Megatron's TE / Apex fallback) go to run.log
 
 
 def model_dir(cfg) -> str:
@@ -56,6 +53,10 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
            verbose: bool = False) -> int:
     """The entry point of a run: config, CPU shim and Megatron fixes, process groups, the demo's
     inputs, the trainer's parts, signal handlers, then the stages."""
+    from megatron_rl.tracking.logs import hold_early_records, quiet_native_console
+
+    quiet_native_console(verbose)  # before anything imports torch: its C++ warnings off the console
+    hold_early_records()  # libraries' import-time warnings (Megatron's TE / Apex fallback) go to run.log
     from megatron_rl.common.launch_env import read_launch_env
     from megatron_rl.compat import apply_compat
     from megatron_rl.config.base import make_dir
@@ -245,7 +246,7 @@ def _main(argv: list[str]) -> int:
                                        "(`megatron-rl data difficulty --help`)")
     args = p.parse_args(argv)
 
-    _setup_logging(getattr(args, "verbose", False))
+    _setup_logging()
     if args.cmd == "train":
         return _train(args.config, args.run_dir, args.stage, args.overrides, args.verbose)
     if args.cmd == "engines":

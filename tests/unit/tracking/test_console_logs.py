@@ -97,27 +97,30 @@ def test_warnings_before_the_run_dir_exists_go_to_the_run_log(tmp_path, console)
     assert not any(isinstance(h, EarlyRecords) for h in logging.getLogger().handlers)
 
 
-def test_the_real_megatron_import_keeps_the_console_clean(tmp_path):
-    """The entry point's logging set-up, then the real Megatron-Core import and the call with which
-    vLLM's CPU worker binds its memory (torch prints a C++ "Warning: NUMA binding ..." for it): no line
-    on the console says error, deprecated or warning; Megatron's fallback warnings (on a machine without
-    Transformer Engine and Apex) are in run.log."""
+def test_the_real_entry_point_keeps_the_console_clean(tmp_path):
+    """``megatron-rl demo`` for real, up to the first check after the world started (a model directory
+    that does not exist): Megatron-Core is imported and the process group built, then the run stops
+    with its one line. No line on the console says error, deprecated or warning (Megatron's "Transformer
+    Engine and Apex are not installed" fallbacks on a machine without them are in run.log); then the
+    call with which vLLM's CPU worker binds its memory, which makes torch print a C++ "Warning: NUMA
+    binding ...", in a process set up the same way."""
     import importlib.util
     import os
     import re
     import subprocess
     import sys
 
-    code = ("import sys; from megatron_rl.cli import _setup_logging; _setup_logging(); "
-            "import megatron.core.optimizer, megatron.core.distributed; import torch\n"
-            "try:\n    import vllm._C; torch.ops._C.init_cpu_memory_env([0])\nexcept (ImportError, AttributeError, RuntimeError): pass\n"
-            "from megatron_rl.tracking.logs import route_logs; route_logs(sys.argv[1]); print('imported')")
     # (scripts/test.sh ignores Python warnings; the entry point sets the C++ level itself)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "TORCH_CPP_LOG_LEVEL")}
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
-                          timeout=600, env=env)
-    shown = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "imported" in proc.stdout, shown[-3000:]
+    run = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "demo", "--run-dir", str(tmp_path / "run"),
+                          f"model.path={tmp_path / 'no_model'}"], capture_output=True, text=True, timeout=600, env=env)
+    shown = run.stdout + run.stderr
+    assert run.returncode == 2 and "no Hugging Face model at" in run.stderr, shown[-3000:]
     assert not re.search(r"error|deprecat|warn", shown, re.I), shown[-3000:]
     if importlib.util.find_spec("transformer_engine") is None and importlib.util.find_spec("apex") is None:
-        assert "Transformer Engine and Apex are not installed" in (tmp_path / "logs" / "run.log").read_text()
+        assert "Transformer Engine and Apex are not installed" in (tmp_path / "run" / "logs" / "run.log").read_text()
+    numa = ("from megatron_rl.tracking.logs import quiet_native_console; quiet_native_console(); import torch\n"
+            "try:\n    import vllm._C; torch.ops._C.init_cpu_memory_env([0])\n"
+            "except (ImportError, AttributeError, RuntimeError): pass\nprint('bound')")
+    bound = subprocess.run([sys.executable, "-c", numa], capture_output=True, text=True, timeout=600, env=env)
+    assert bound.returncode == 0 and not re.search(r"warn", bound.stdout + bound.stderr, re.I), bound.stderr[-2000:]
