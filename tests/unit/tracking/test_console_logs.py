@@ -124,3 +124,21 @@ def test_the_real_entry_point_keeps_the_console_clean(tmp_path):
             "except (ImportError, AttributeError, RuntimeError): pass\nprint('bound')")
     bound = subprocess.run([sys.executable, "-c", numa], capture_output=True, text=True, timeout=600, env=env)
     assert bound.returncode == 0 and not re.search(r"warn", bound.stdout + bound.stderr, re.I), bound.stderr[-2000:]
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_run_sets_the_cpp_warning_level_before_torch(monkeypatch, tmp_path, capsys, verbose):
+    """``train`` / ``demo`` hold torch's C++ warnings (which the process above shows on the console)
+    below ERROR from their first line, unless ``--verbose``; a level the user set stays."""
+    import os
+
+    from megatron_rl.cli import main
+
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "two")  # stops the run at its first check, before anything is made
+    assert main(["demo", "--run-dir", str(tmp_path / "run"), *(["--verbose"] if verbose else [])]) == 2
+    assert os.environ.get("TORCH_CPP_LOG_LEVEL") == (None if verbose else "ERROR")
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "INFO")
+    main(["demo", "--run-dir", str(tmp_path / "run")])
+    assert os.environ["TORCH_CPP_LOG_LEVEL"] == "INFO"
+    capsys.readouterr()
