@@ -129,13 +129,14 @@ def route_logs(run_dir: str | Path, *, verbose: bool = False, rank: int = 0) -> 
     logs.mkdir(parents=True, exist_ok=True)
     path = logs / ("run.log" if rank == 0 else f"run.rank{rank}.log")
     root = logging.getLogger()
-    if not any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path.resolve()
-               for h in root.handlers):
+    fh = next((h for h in root.handlers
+               if isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path.resolve()), None)
+    if fh is None:
         fh = logging.FileHandler(path, encoding="utf-8")
         fh.setFormatter(logging.Formatter(FORMAT))
         fh.setLevel(logging.INFO)
         root.addHandler(fh)
-        _release_early_records(root, fh)
+    _release_early_records(root, fh)
     if root.level > logging.INFO or root.level == logging.NOTSET:
         root.setLevel(logging.INFO)
     for name in SELF_CONFIGURED:
