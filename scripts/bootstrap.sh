@@ -29,7 +29,7 @@ step() {
   local show=(); if [ "$1" = "--show" ]; then show=(--show "$2"); shift 2; fi
   PYTHONPATH="$here" "$venv/bin/python" -m megatron_rl.tracking.progress --label "[bootstrap] $label" \
     --log "$log" --estimate "$estimate" --before "$before" --after "$((total - before - estimate))" \
-    "${show[@]}" -- "$@" || { local rc=$?; echo "[bootstrap] $label failed (exit $rc); the end of $log:" >&2
+    ${show[@]+"${show[@]}"} -- "$@" || { local rc=$?; echo "[bootstrap] $label failed (exit $rc); the end of $log:" >&2
                               tail -n 25 "$log" >&2; exit "$rc"; }
   before=$((before + estimate))
 }
