@@ -474,7 +474,7 @@ def test_fleet_detects_a_stopped_server_within_the_timeout_and_completes(fleet_e
         metrics = fleet.pop_metrics()
         assert _tokens(got) == _tokens(want)
         assert fleet.state(victim) is EngineState.DOWN
-        assert f"rollout.timeout_s={timeout_s:g}" in fleet._slot(victim).reason, fleet._slot(victim).reason
+        assert f"rollout.timeout_s={timeout_s:g}" in fleet.members.slot(victim).reason, fleet.members.slot(victim).reason
         detected = state["t_down"] - state["t_stop"]
         assert detected < timeout_s + 5, (detected, timeout_s)
         assert metrics["rollout/requeued_requests"] >= 1
@@ -503,7 +503,7 @@ def test_fleet_detects_a_stopped_server_within_the_timeout_and_completes(fleet_e
         while fleet.state(victim) is not EngineState.DOWN:
             assert time.monotonic() - state["t_stop"] < timeout_s + 5, "hedging hid the stopped server"
             time.sleep(0.05)
-        assert f"rollout.timeout_s={timeout_s:g}" in fleet._slot(victim).reason, fleet._slot(victim).reason
+        assert f"rollout.timeout_s={timeout_s:g}" in fleet.members.slot(victim).reason, fleet.members.slot(victim).reason
     finally:
         servers.signal(2, signal.SIGCONT)
         fleet.close()
@@ -866,7 +866,7 @@ def test_async_fleet_holds_what_a_server_returns_before_its_probe_passed(fleet_e
         victim.submit, victim.score = submit, stale_score
         stream.submit(prompts, spec, list(range(12)), got.update)
         deadline = time.monotonic() + 180  # (a hang guard: the sync and 184-token responses, at any load)
-        while any(slot is None for _, slot in list(fleet._requests.values())) or len(fleet._requests) < 12:
+        while any(slot is None for _, slot in list(fleet.dispatcher.requests.values())) or len(fleet.dispatcher.requests) < 12:
             assert time.monotonic() < deadline, "the requests were not all sent"
             time.sleep(0.005)
         time.sleep(0.5)  # they reach the servers, and wait there
@@ -920,14 +920,14 @@ def test_async_fleet_aborts_leftovers_on_the_servers(fleet_env):
         assert stream.in_flight() == 6
         time.sleep(0.5)  # the requests reach the servers
         stream.abort([0, 1, 2, 3])
-        assert stream.in_flight() == 2 and set(fleet._requests) == set(stream._pending.values())
+        assert stream.in_flight() == 2 and set(fleet.dispatcher.requests) == set(stream._pending.values())
         fleet.resume()
         deadline = time.monotonic() + 60
         while len(got) < 2:
             assert time.monotonic() < deadline, sorted(got)
             time.sleep(0.05)
         time.sleep(1.0)  # an aborted request that still ran would be generating now
-        assert sorted(got) == [4, 5] and stream.in_flight() == 0 and not fleet._requests
+        assert sorted(got) == [4, 5] and stream.in_flight() == 0 and not fleet.dispatcher.requests
         delivered = sum(len(c.token_ids) for k in (4, 5) for c in got[k])
         assert _server_counter(fleet, "vllm:generation_tokens_total") - tokens0 == delivered
     finally:
@@ -1419,7 +1419,7 @@ def observe_hung_control(cfg, env):
     timer = _hang(env, fleet.engines[0].name)
     try:
         fleet.reset_prefix_cache()
-        return fleet.states(), [fleet._slot(e).reason for e in fleet.engines]
+        return fleet.states(), [fleet.members.slot(e).reason for e in fleet.engines]
     finally:
         _unhang(env, timer)
         fleet.close()
