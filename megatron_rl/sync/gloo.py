@@ -57,7 +57,8 @@ from megatron_rl.rollout.reload import refresh_cpu_moe_experts, refresh_tied_lay
 from megatron_rl.rollout.route_capture import RoutesWorkerExtension
 from megatron_rl.sync.buckets import bucket_nbytes, group_by_dtype, host_digest, meta_tensors, nbytes, pack
 from megatron_rl.sync.group import allgather, broadcast, host_store, make_group, sender_prefix, wait_works
-from megatron_rl.sync.vllm_protocol import ServerTransport, ServerWeightSync
+from megatron_rl.sync.server_transport import ServerTransport
+from megatron_rl.sync.vllm_protocol import ServerWeightSync
 
 log = logging.getLogger("megatron_rl")
 

@@ -603,7 +603,7 @@ def test_fleet_sync_fails_a_server_whose_version_tag_did_not_take(fleet_env):
     fleet, sync = _formed(fleet_env)
     try:
         untagged = fleet.engines[1]
-        client = sync._client.clients[sync._client.engines.index(untagged)]
+        client = sync.transfer.client.clients[sync.transfer.client.engines.index(untagged)]
         real_finish = client.finish_weight_update
         client.finish_weight_update = lambda weight_version=None: real_finish(None)
         try:

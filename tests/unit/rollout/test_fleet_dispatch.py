@@ -649,7 +649,8 @@ def test_a_sync_round_that_reached_no_engine_is_loaded_again_from_the_host_copy(
 
     from megatron_rl.sync.base import SendPlan, SyncError, SyncMetrics, SyncMismatch
     from megatron_rl.sync.config import SyncConfig
-    from megatron_rl.sync.vllm_protocol import ServerTransport, ServerWeightSync
+    from megatron_rl.sync.server_transport import ServerTransport
+    from megatron_rl.sync.vllm_protocol import ServerWeightSync
 
     engines = [Lost("e0"), Lost("e1")]
     fleet = EngineFleet(engines, RolloutConfig(engine="vllm_server", num_engines=2, start_timeout_s=5.0, hedge_after=0.0))
