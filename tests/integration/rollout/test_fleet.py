@@ -43,7 +43,7 @@ from megatron_rl.rollout.launcher import node_specs  # noqa: E402
 from megatron_rl.rollout.registry import EngineRegistry  # noqa: E402
 from megatron_rl.rollout.server import VLLMServer, server_healthy  # noqa: E402
 from megatron_rl.sync import SyncConfig, SyncMismatch, build_weight_sync  # noqa: E402
-from megatron_rl.sync import gloo  # noqa: E402
+from megatron_rl.sync import gloo_trainer  # noqa: E402
 from megatron_rl.sync.base import UNKNOWN_VERSION, server_args  # noqa: E402
 from megatron_rl.sync.probe import ProbeReference, probe_length, probe_tokens  # noqa: E402
 from tests.procs import live_in_group, wait_groups_gone  # noqa: E402
@@ -403,7 +403,7 @@ def test_fleet_sync_names_a_bucket_corrupted_in_flight_then_recovers(fleet_env, 
     hf = fleet_env["hf"]
     fleet = _survivors(fleet_env)
     sync = _sync(fleet_env, fleet)
-    real = gloo.broadcast
+    real = gloo_trainer.broadcast
     calls = []
 
     def corrupting(group, tensor):  # the sender hashes the original; the engines get a flipped byte
@@ -414,14 +414,14 @@ def test_fleet_sync_names_a_bucket_corrupted_in_flight_then_recovers(fleet_env, 
         return real(group, tensor)
 
     try:
-        monkeypatch.setattr(gloo, "broadcast", corrupting)
+        monkeypatch.setattr(gloo_trainer, "broadcast", corrupting)
         _retrain(hf, seed=2)
         with pytest.raises(SyncMismatch, match=r"h2-0: checksum mismatch \(worker 0\) in 1 of \d+ buckets, first bucket 2"):
             sync.sync(_named(hf), version=2)
         # the engines loaded corrupted bytes: unknown version, out of service until a good sync
         assert all(e.weight_version == UNKNOWN_VERSION for e in fleet.engines)
         assert all(fleet.state(e) is EngineState.JOINING for e in fleet.engines) and not fleet.live()
-        monkeypatch.setattr(gloo, "broadcast", real)
+        monkeypatch.setattr(gloo_trainer, "broadcast", real)
         m = sync.sync(_named(hf), version=3)
         fleet_env["version"] = 3
         assert m.complete and m.engines == 2
