@@ -49,7 +49,7 @@ class Flight:
 async def send(members: Members, slot: Slot, prompt_ids: list[int], sampling: SamplingSpec,
                request_id: str | None, timeout_s: float) -> list[Completion]:
     """One copy on ``slot``'s engine, within ``timeout_s``; raises :class:`Requeue` when it failed."""
-    from megatron_rl.rollout.server import RequestRejected
+    from megatron_rl.rollout.server_http import RequestRejected
 
     can_abort = getattr(slot.engine, "abort", None) is not None
     extra = {} if request_id is None or not can_abort else {"request_id": request_id}

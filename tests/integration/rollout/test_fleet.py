@@ -41,7 +41,8 @@ from megatron_rl.rollout.config import RolloutConfig  # noqa: E402
 from megatron_rl.rollout.fleet import EngineFleet, EngineState  # noqa: E402
 from megatron_rl.rollout.launcher import node_specs  # noqa: E402
 from megatron_rl.rollout.registry import EngineRegistry  # noqa: E402
-from megatron_rl.rollout.server import VLLMServer, server_healthy  # noqa: E402
+from megatron_rl.rollout.server import VLLMServer  # noqa: E402
+from megatron_rl.rollout.server_http import server_healthy  # noqa: E402
 from megatron_rl.sync import SyncConfig, SyncMismatch, build_weight_sync  # noqa: E402
 from megatron_rl.sync import gloo_trainer  # noqa: E402
 from megatron_rl.sync.base import UNKNOWN_VERSION, server_args  # noqa: E402
