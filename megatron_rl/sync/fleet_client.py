@@ -7,7 +7,8 @@ group-joining call gives each server its own rank offset, so one transfer group 
 every worker of every engine.
 
 Owns: the per-server clients, each server's rank offset, the round's version and whether its start
-was sent ahead. May call: the engines' ``weight_sync_client()`` (vLLM's HTTP client of one server).
+was sent ahead.
+May call: the engines' ``weight_sync_client()`` (vLLM's HTTP client of one server).
 """
 
 from __future__ import annotations

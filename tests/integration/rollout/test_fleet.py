@@ -435,14 +435,15 @@ def test_fleet_sync_names_a_bucket_corrupted_in_flight_then_recovers(fleet_env, 
 
 def _timing_down(fleet, state) -> None:
     """Record in ``state["t_down"]`` when the fleet marks an engine down (the detection itself, not
-    the end of the step that re-sends its requests, which a loaded box stretches)."""
-    real = fleet.mark_down
+    the end of the step that re-sends its requests, which a loaded box stretches): its membership's
+    ``mark_down``, which the dispatch calls."""
+    real = fleet.members.mark_down
 
     def mark_down(engine, reason):
         state.setdefault("t_down", time.monotonic())
         return real(engine, reason)
 
-    fleet.mark_down = mark_down
+    fleet.members.mark_down = mark_down
 
 
 def test_fleet_detects_a_stopped_server_within_the_timeout_and_completes(fleet_env):
