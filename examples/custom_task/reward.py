@@ -22,6 +22,6 @@ def closeness(response, ground_truth, extra_info):
     if match is None:
         return {"score": 0.0, "correct": False}
     guess, target = int(match.group()), int(ground_truth)
-    scale = float(extra_info.get("scale", 20))
+    scale = float(extra_info["scale"])  # the row's own tolerance
     return {"score": max(0.0, 1.0 - abs(guess - target) / scale), "correct": guess == target,
             "extracted": str(guess)}

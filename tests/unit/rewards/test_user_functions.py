@@ -1,6 +1,6 @@
 """User reward functions (``reward.functions``): the target's form, the signature check, what a return
 value means, and in-process scoring (``reward.user.in_process``), against the functions called
-directly. The pooled path and the start-up check's process: tests/integration/rewards/test_user_functions.py."""
+directly. The pooled path and the start-up check's process: tests/integration/rewards/test_user_functions_pool.py."""
 
 from __future__ import annotations
 
@@ -117,3 +117,13 @@ def test_in_process_functions_score_here_as_called_directly(user_file):
 def test_a_style_name_taken_by_a_built_in_is_refused(user_file):
     with pytest.raises(ConfigError, match="reward.functions.math.*already registered"):
         RewardManager(RewardConfig(functions={"math": f"{user_file}:partial"}))
+
+
+def test_the_trainer_gives_functions_the_rows_extra_info():
+    from megatron_rl.data.dataset import PromptRecord
+    from megatron_rl.trainer.phases import reward_item
+
+    record = PromptRecord([1], "2+2=", "4", "u_style", "src", extra={"scale": 7, "env": "hint"}, row=3)
+    item = reward_item(record, "4")
+    assert (item.response, item.ground_truth, item.style) == ("4", "4", "u_style")
+    assert item.extra["extra_info"] == {"scale": 7, "env": "hint"}
