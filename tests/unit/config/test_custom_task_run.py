@@ -93,3 +93,15 @@ def test_a_run_with_a_faulty_user_reward_and_a_user_environment_completes(task, 
     warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rewards: style walk:")]
     assert warned and all("counted zero" in w for w in warned)
     assert len(capfd.readouterr().out) < 1_000_000  # the printed megabytes stayed in the worker
+
+
+def test_the_example_config_validates_and_finds_its_files_wherever_it_is(tmp_path):
+    import shutil
+
+    repo = Path(__file__).resolve().parents[3]
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(repo / "examples" / "custom_task", copy)
+    cfg = load_run_config(copy / "config.yaml")
+    assert cfg.data.train_path == f"{copy}/data/train.jsonl" and Path(cfg.data.train_path).exists()
+    assert cfg.reward.functions == {"closeness": f"{copy}/reward.py:closeness"}
+    assert cfg.envs.classes == {"hint": f"{copy}/env.py:HintEnv"}
