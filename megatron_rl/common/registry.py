@@ -53,6 +53,10 @@ class Registry(Mapping[str, T], Generic[T]):
         self._entries.pop(name, None)
         self._declared.pop(name, None)
 
+    def is_declared(self, name: str) -> bool:
+        """Whether ``name`` is a built-in entry (declared with the module that registers it)."""
+        return name in self._declared
+
     def unknown_message(self, name: str) -> str:
         msg = f"unknown {self.kind} {name!r}; valid names are {sorted(self)}"
         return f"{msg}; {self.hint}" if self.hint else msg

@@ -237,6 +237,8 @@ class ConfigBase:
                 value = value.to_dict()
             elif isinstance(value, list):
                 value = [v.to_dict() if isinstance(v, ConfigBase) else v for v in value]
+            elif isinstance(value, dict):
+                value = {k: v.to_dict() if isinstance(v, ConfigBase) else v for k, v in value.items()}
             out[yaml_key(f)] = value
         return out
 
@@ -281,9 +283,11 @@ class ConfigBase:
                 if not hasattr(value, "_prefix"):
                     value._prefix = self.key(f.name)
                 value.validate()
-            elif isinstance(value, list):
-                for i, v in enumerate(value):
+            elif isinstance(value, (list, dict)):
+                named = value.items() if isinstance(value, dict) else enumerate(value)
+                for i, v in named:
                     if isinstance(v, ConfigBase):
                         if not hasattr(v, "_prefix"):
-                            v._prefix = f"{self.key(f.name)}[{i}]"
+                            sub = f".{i}" if isinstance(value, dict) else f"[{i}]"
+                            v._prefix = f"{self.key(f.name)}{sub}"
                         v.validate()

@@ -46,7 +46,8 @@ def _default(f) -> str:
 
 
 def _section(tp) -> type | None:
-    """The config class a field of type ``tp`` holds (``X``, ``X | None``, ``list[X]``), if any."""
+    """The config class a field of type ``tp`` holds (``X``, ``X | None``, ``list[X]``,
+    ``dict[str, X]``), if any."""
     nested = [a for a in (tp, *typing.get_args(tp)) if isinstance(a, type) and issubclass(a, ConfigBase)]
     return nested[0] if nested else None
 
@@ -64,7 +65,7 @@ def leaf_keys(cls, prefix: str = "") -> list[str]:
         if nested is None:
             keys.append(f"{prefix}{yaml_key(f)}")
         else:
-            item = ".0" if typing.get_origin(tp) is list else ""
+            item = {list: ".0", dict: ".<name>"}.get(typing.get_origin(tp), "")
             keys += leaf_keys(nested, f"{prefix}{yaml_key(f)}{item}.")
     return keys
 
@@ -80,7 +81,7 @@ def render(cls, prefix: str = "", seen=None) -> list[str]:
         nested = _section(tp)
         if nested is not None:
             rows.append(f"| `{key}` | section | | | {comments.get(f.name, nested.__doc__ or '').strip()} |")
-            item = "[i]" if typing.get_origin(tp) is list else ""
+            item = {list: "[i]", dict: ".<name>"}.get(typing.get_origin(tp), "")
             rows += render(nested, f"{key}{item}.", seen)
         else:
             doc = comments.get(f.name, "").replace("|", "\\|")

@@ -4,6 +4,8 @@ One file per environment, registered by name (``@register_env``), as reward styl
 selects the environment of each prompt (``data.env_key``, its ``data_source``, ``envs.env_map``,
 ``envs.default_env``); a prompt without one is sampled single-turn, as before. Built in:
 ``calculator`` (arithmetic; the tool demo's) and ``python_tool`` (programs run in the code sandbox).
+The config adds the user's own (``envs.classes``: subclasses of the public, versioned
+:class:`Environment`, ``user.py``) and OpenEnv environment servers (``envs.services``, ``openenv.py``).
 The loop that interleaves model turns with environment steps is ``megatron_rl.rollout.multi_turn``.
 Imported at first use (``common.lazy``): the run schema reads ``envs.config`` alone.
 """
@@ -13,7 +15,8 @@ from megatron_rl.common.lazy import lazy_exports
 _EXPORTS = {
     "EnvConfig": "config",
     "ENVIRONMENTS": "registry", "register_env": "registry",
-    "Environment": "base", "StepResult": "base",
+    "Environment": "base", "StepResult": "base", "API_VERSION": "base",
+    "OpenEnvServiceConfig": "config", "EnvClassError": "user", "EnvServiceError": "openenv",
     "ToolOutput": "tools", "ToolRunner": "tools",
     "TurnRenderer": "render", "TemplateError": "render",
     "Environments": "episodes", "EnvDataError": "episodes", "EnvSandboxError": "episodes",

@@ -12,6 +12,13 @@ Tools are called through :meth:`Environment.use_tool`, which holds the episode's
 hanging or flooding tool into an error message to the model: a per-sample fault is counted, never a
 dead rollout. The runner (:class:`~megatron_rl.envs.tools.ToolRunner`) enforces the time limit and
 runs programs in the code sandbox.
+
+This is the public interface of environments (the user's own, named in ``envs.classes``, subclass
+it), versioned by :data:`API_VERSION`: what a subclass may rely on and override is ``__init__(cfg,
+tools)``, ``reset(record)``, ``step(turn)``, ``use_tool``, ``self.cfg`` / ``self.tools`` /
+``self.record`` / ``self.calls``, :class:`StepResult` and :class:`~megatron_rl.envs.tools.ToolOutput`.
+A change to any of them that could break a subclass raises the version; a subclass may pin the one it
+was written for (``api_version = 1``) and is refused at start-up by a trainer of another version.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ from megatron_rl.envs.tools import ERROR, TIMEOUT, ToolOutput, ToolRunner
 
 # StepResult.error when a call was refused: the trajectory's tool-call budget is spent.
 BUDGET = "budget"
+# The version of this interface (see the module doc). 1: reset(record) -> token ids, step(turn) ->
+# StepResult(observation, done, answer, tool, error, cut), use_tool(tool, run).
+API_VERSION = 1
 
 
 @dataclass
@@ -53,6 +63,8 @@ class Environment(ABC):
     # Its tools run programs in the code sandbox: a run with prompts for it checks at start-up that
     # the sandbox can start here (bubblewrap, or reward.code.sandbox.require_isolation: false).
     needs_sandbox: ClassVar[bool] = False
+    # The interface version the class was written for (API_VERSION); another one is refused.
+    api_version: ClassVar[int] = API_VERSION
 
     def __init__(self, cfg: EnvConfig, tools: ToolRunner):
         self.cfg = cfg
@@ -95,4 +107,4 @@ def cut_text(text: str, limit: int) -> tuple[str, bool]:
     return text[:keep] + note[: limit - keep], True
 
 
-__all__ = ["BUDGET", "ERROR", "TIMEOUT", "Environment", "StepResult", "cut_text"]
+__all__ = ["API_VERSION", "BUDGET", "ERROR", "TIMEOUT", "Environment", "StepResult", "cut_text"]

@@ -15,6 +15,7 @@ from megatron_rl.envs.config import EnvConfig
 from megatron_rl.envs.registry import ENVIRONMENTS
 from megatron_rl.envs.render import TurnRenderer
 from megatron_rl.envs.tools import ToolRunner
+from megatron_rl.envs.user import check_user_envs, register_user_envs
 from megatron_rl.rewards.config import SandboxConfig
 
 
@@ -35,12 +36,14 @@ class Environments:
         sandboxed tool programs (``reward.code.sandbox``); ``wait_s``: the bound on any wait for an
         environment (``rollout.timeout_s``)."""
         cfg.validate()
+        register_user_envs(cfg)  # envs.classes (imported and checked here), envs.services
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.max_turns = max_turns
         self.wait_s = wait_s
         self.tools = ToolRunner(cfg.tool_timeout_s, cfg.num_workers, sandbox, wait_s=wait_s)
         self._renderer: TurnRenderer | None = None
+        self._checked: set[str] = set()  # environments whose start-up checks passed
 
     @property
     def renderer(self) -> TurnRenderer:
@@ -79,6 +82,8 @@ class Environments:
                 counts[name] = counts.get(name, 0) + 1
         for name in counts:
             ENVIRONMENTS[name]  # imports its module: a broken one fails now
+        check_user_envs(self.cfg, set(counts) - self._checked)  # the servers prompts use answer
+        self._checked.update(counts)
         sandboxed = sorted(n for n in counts if ENVIRONMENTS[n].needs_sandbox)
         if sandboxed:
             from megatron_rl.rewards.sandbox import Sandbox, SandboxUnavailable

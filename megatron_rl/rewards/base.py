@@ -54,6 +54,9 @@ class RewardStyle:
     # Runs the response's program in the code sandbox (``reward.code.sandbox``): a run whose prompts
     # use it checks at start-up that the sandbox starts here.
     sandboxed: bool = False
+    # Further arguments the function is called with after (item, cfg): a user function's target
+    # (rewards/user.py), so one module-level function serves every user style.
+    bound: tuple = ()
 
 
 REWARD_STYLES: Registry[RewardStyle] = Registry(

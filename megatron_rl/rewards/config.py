@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_rl.config.base import ConfigBase, ranged
+from megatron_rl.config.base import ConfigBase, ConfigError, ranged
 
 
 @dataclass(kw_only=True)
@@ -108,6 +108,21 @@ class JudgeConfig(ConfigBase):
 
 
 @dataclass(kw_only=True)
+class UserFunctionsConfig(ConfigBase):
+    # Hard wall-clock limit per response of a user reward function (reward.functions) run in the
+    # process pool: past it the worker is killed and replaced, the response a counted zero
+    # (reward/timeouts).
+    timeout_s: float = ranged(10.0, gt=0.0)
+    # Styles of reward.functions the user declares safe to run in the trainer's own process: no
+    # process hop (microseconds), but no hard timeout either; a raise or a bad value is still a
+    # counted zero. Every other user function runs in the pool.
+    in_process: list[str] = field(default_factory=list)
+    # Characters of a user function's printed output (stdout, stderr) kept per call: the rest is
+    # dropped (a function that prints megabytes never floods the trainer's console or disk).
+    max_output_chars: int = ranged(2000, ge=0)
+
+
+@dataclass(kw_only=True)
 class RewardConfig(ConfigBase):
     # Processes in the verifier pool (math and code run there; exact_boxed runs in-process).
     num_workers: int = ranged(2, ge=1)
@@ -123,3 +138,23 @@ class RewardConfig(ConfigBase):
     math: MathConfig = field(default_factory=MathConfig)
     code: CodeConfig = field(default_factory=CodeConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
+    # Reward styles from the user's own code: {STYLE: "pkg.module:fn" | "path/to/file.py:fn"}; fn(response,
+    # ground_truth, extra_info) -> float or {"score": float, ...} (docs/custom_task.md). Checked at
+    # start-up (importable, callable, signature); run in the process pool under user.timeout_s.
+    functions: dict[str, str] = field(default_factory=dict)
+    # The limits of reward.functions.
+    user: UserFunctionsConfig = field(default_factory=UserFunctionsConfig)
+
+    def validate(self) -> None:
+        super().validate()
+        from megatron_rl.common.user_code import UserCodeError, parse_target
+
+        for style, target in self.functions.items():
+            try:
+                parse_target(target)
+            except UserCodeError as exc:
+                raise ConfigError(f"{self.key('functions')}.{style}", str(exc)) from None
+        for style in self.user.in_process:
+            if style not in self.functions:
+                self.user.fail("in_process", f"{style!r} is not a style of reward.functions "
+                                             f"({sorted(self.functions)})")

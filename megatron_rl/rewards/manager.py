@@ -18,6 +18,7 @@ from megatron_rl.rewards.base import (CORRECT, ERROR, TIMEOUT, UNPARSABLE, WRONG
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rewards.judge import judge_batch
 from megatron_rl.rewards.pool import HardTimeoutPool
+from megatron_rl.rewards.user import check_functions, pooled_targets, register_functions
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ class RewardManager:
         cfg.validate()
         self.cfg = cfg
         self._pool: HardTimeoutPool | None = None
+        register_functions(cfg)
         for target in cfg.style_map.values():
             get_style(target)  # raises, listing the registered styles, for a bad map
         if cfg.default_style:
@@ -56,9 +58,11 @@ class RewardManager:
         if self._pool is None:
             modules = sorted({get_style(s).fn.__module__ for s in registered_styles()
                               if get_style(s).pooled})
+            targets = pooled_targets(self.cfg)
+            setup = {"setup": (("megatron_rl.rewards.user", "load_targets", (targets,)),)} if targets else {}
             self._pool = HardTimeoutPool(self.cfg.num_workers, preload=tuple(modules),
                                          memory_mb=self.cfg.worker_memory_mb,
-                                         start_timeout_s=self.cfg.worker_start_timeout_s)
+                                         start_timeout_s=self.cfg.worker_start_timeout_s, **setup)
         return self._pool
 
     def score(self, items: list[RewardItem], return_details: bool = False):
@@ -91,11 +95,11 @@ class RewardManager:
             style = get_style(s)
             if style.pooled:
                 pooled.append(i)
-                tasks.append((style.fn, (item, self.cfg),
+                tasks.append((style.fn, (item, self.cfg, *style.bound),
                               getattr(self.cfg, style.timeout_section).timeout_s))
                 continue
             try:
-                outcomes[i] = style.fn(item, self.cfg)
+                outcomes[i] = style.fn(item, self.cfg, *style.bound)
             except Exception as exc:  # a per-sample fault is a counted zero
                 outcomes[i] = Outcome(0.0, ERROR, detail=f"{type(exc).__name__}: {exc}")
         if tasks:
@@ -104,7 +108,7 @@ class RewardManager:
                     outcomes[i] = res.value
                 else:
                     outcomes[i] = Outcome(0.0, TIMEOUT if res.status == "timeout" else ERROR,
-                                          detail=res.error)
+                                          detail=f"{styles[i]}: {res.error}")
         return outcomes
 
     def _apply_judge(self, items, styles, outcomes, judged: set[int]) -> dict:
@@ -148,10 +152,7 @@ class RewardManager:
             per_style[s].append(sc)
         for s, vals in per_style.items():
             metrics[f"reward/{s}/mean"] = sum(vals) / len(vals)
-        if counts[TIMEOUT] + counts[ERROR]:
-            first = next(o for o in outcomes if o.status in (TIMEOUT, ERROR))
-            log.warning("rewards: %d timeouts, %d errors of %d (first: %s)", counts[TIMEOUT],
-                        counts[ERROR], len(outcomes), first.detail[:300])
+        _log_failures(styles, outcomes)
         return metrics
 
     def close(self) -> None:
@@ -172,6 +173,19 @@ class RewardManager:
             pass
 
 
+def _log_failures(styles: list[str], outcomes: list[Outcome]) -> None:
+    """One line per style with counted zeros (crashes, timeouts, bad values) in this scoring call:
+    how many, and the first one's reason."""
+    failed: dict[str, list[Outcome]] = defaultdict(list)
+    for s, o in zip(styles, outcomes):
+        if o.status in (TIMEOUT, ERROR):
+            failed[s].append(o)
+    for s, outs in sorted(failed.items()):
+        timeouts = sum(o.status == TIMEOUT for o in outs)
+        log.warning("rewards: style %s: %d errors, %d timeouts of %d scored, each a counted zero (first: %s)",
+                    s, len(outs) - timeouts, timeouts, styles.count(s), outs[0].detail[:300])
+
+
 class RewardDataError(InputError, ValueError):
     """A prompt's reward style resolves to no registered style, or needs what cannot run here."""
 
@@ -183,6 +197,7 @@ def check_reward_styles(cfg: RewardConfig, records, path: str) -> dict[str, int]
     some are scored by a style that runs programs, one when the code sandbox cannot start here (every
     such sample would be a counted zero: the run would train on nothing). Returns prompts per style."""
     manager = RewardManager(cfg)
+    check_functions(cfg)
     counts: dict[str, int] = {}
     for r in records:
         try:

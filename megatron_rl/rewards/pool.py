@@ -64,7 +64,7 @@ def _address_space_bytes() -> int:
     return 0
 
 
-def _worker_main(conn, preload: tuple[str, ...], memory_mb: int) -> None:
+def _worker_main(conn, preload: tuple[str, ...], memory_mb: int, setup: tuple = ()) -> None:
     pin_to_helpers()  # trainer.cpu_cores: scoring never takes the trainer's core
     if memory_mb > 0:  # on top of what the interpreter already maps (spawn may import __main__)
         limit = _address_space_bytes() + memory_mb * 1024 * 1024
@@ -73,6 +73,8 @@ def _worker_main(conn, preload: tuple[str, ...], memory_mb: int) -> None:
         warmup = getattr(importlib.import_module(module), "warmup", None)
         if callable(warmup):  # pay first-call costs (grammar loading, imports) before any deadline
             warmup()
+    for module, name, args in setup:  # e.g. loading the user's reward functions
+        _resolve(module, name)(*args)
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -111,10 +113,10 @@ def _start_with_stderr(proc, log_path: str) -> None:
 
 
 class _Worker:
-    def __init__(self, ctx, preload, memory_mb, log_dir: str):
+    def __init__(self, ctx, preload, memory_mb, log_dir: str, setup: tuple = ()):
         parent, child = ctx.Pipe()
         self.conn = parent
-        self.proc = ctx.Process(target=_worker_main, args=(child, preload, memory_mb), daemon=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, preload, memory_mb, setup), daemon=True)
         fd, self.log_path = tempfile.mkstemp(prefix="worker-", suffix=".stderr", dir=log_dir)
         os.close(fd)
         _start_with_stderr(self.proc, self.log_path)
@@ -151,9 +153,12 @@ class HardTimeoutPool:
     """
 
     def __init__(self, num_workers: int, preload: tuple[str, ...] = (), memory_mb: int = 0,
-                 start_timeout_s: float = 120.0):
+                 start_timeout_s: float = 120.0, setup: tuple = ()):
+        """``preload``: modules each worker imports (and whose ``warmup()`` it calls) before it reports
+        ready; ``setup``: then these calls, ``(module, function name, args)``."""
         self._ctx = mp.get_context("spawn")
         self._preload = tuple(preload)
+        self._setup = tuple(setup)
         self._memory_mb = memory_mb
         self._start_timeout_s = start_timeout_s
         self._log_dir = tempfile.TemporaryDirectory(prefix="mrl-reward-workers-")
@@ -164,7 +169,7 @@ class HardTimeoutPool:
         self._closed = False
 
     def _spawn(self) -> _Worker:
-        return _Worker(self._ctx, self._preload, self._memory_mb, self._log_dir.name)
+        return _Worker(self._ctx, self._preload, self._memory_mb, self._log_dir.name, self._setup)
 
     def _replace(self, i: int) -> None:
         self._workers[i].kill()

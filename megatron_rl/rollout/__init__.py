@@ -64,7 +64,7 @@ def connect_fleet(cfg: RolloutConfig, *, registry_dir: str | None = None, names:
         if not registry_dir:
             raise ValueError("vllm_server engines launched per node need the registry directory")
         from megatron_rl.rollout.registry import EngineRegistry
-        from megatron_rl.rollout.server import server_healthy
+        from megatron_rl.rollout.server_http import server_healthy
 
         registry = EngineRegistry(registry_dir)
         records = registry.wait(cfg.num_engines, names, cfg.start_timeout_s, ready=lambda rec: server_healthy(rec.url))

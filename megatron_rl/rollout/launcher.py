@@ -41,7 +41,7 @@ from megatron_rl.rollout.base import EngineDied, EngineTimeout
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.lifeline import owned
 from megatron_rl.rollout.registry import EngineRecord, EngineRegistry, engine_name
-from megatron_rl.rollout.server import server_healthy
+from megatron_rl.rollout.server_http import server_healthy
 
 log = logging.getLogger("megatron_rl")
 

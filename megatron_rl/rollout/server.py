@@ -2,16 +2,10 @@
 (``/inference/v1/generate``, on with ``--enable-scale-out``), control through its RL and dev routes
 (``VLLM_SERVER_DEV_MODE=1``).
 
-Generation: one request per prompt, token ids in, ``n`` samples out with their token ids, text,
-*processed* sampled-token log-probs (the server runs with ``--logprobs-mode processed_logprobs``) and
-the weight-version spans the server attaches to the output tokens; the prompt's seed goes in the
-request (vLLM samples child j of an n-request with seed + j, so the same prompt and seed give the
-same samples on any server holding the same weights). A handle given the policy's tokenizer asks
-for tokens only (``output_mode=tokens``, no detokenization on the server) and decodes each sample's
-text itself, once, as vLLM's detokenizer would (:func:`completion_text`): the server then neither
-detokenizes every sample token by token nor decodes and serializes a string and its bytes for
-every token's log-prob (measured on the demo's wave, 512 samples x 12 tokens: the log-prob part
-alone 81 vs 25 ms of the server's core; the client's decode 2 ms).
+Generation: one request per prompt, ``n`` samples out (the request and reply formats, the samples'
+text decoded on the client: :mod:`megatron_rl.rollout.server_wire`; measured on the demo's wave, 512
+samples x 12 tokens: the log-prob part of the server's detokenization alone 81 vs 25 ms of the
+server's core; the client's decode 2 ms); MoE routes with them: :mod:`megatron_rl.rollout.server_routes`.
 
 Scoring (the weight sync's probe): prompt log-probs from ``/v1/completions``.
 
@@ -20,22 +14,18 @@ Control: ``/health``, ``/pause?mode=`` and ``/resume``, ``/abort_requests``, ``/
 vLLM's weight-transfer routes (``/init_weight_transfer_engine`` ... ``/finish_weight_update``), driven
 by the weight sync (``megatron_rl.sync.vllm_protocol``) with ``weight_sync_client()``.
 
-Every call has a timeout; failures are raised as :class:`EngineDied` (connection refused or cut),
-:class:`EngineTimeout` or :class:`EngineError` (the server answered with an error), naming the server.
+Every call has a timeout; failures are raised as engine errors naming the server; the two HTTP
+clients (``httpx`` for control, ``aiohttp`` for generation): :mod:`megatron_rl.rollout.server_http`.
 
-Two HTTP clients: control calls go through ``httpx`` (synchronous, from any thread); generation and
-aborts, which the fleet sends from its event loop a wave at a time (a request per prompt), through
-``aiohttp`` (vLLM's own dependency), whose client costs about a ninth of ``httpx``'s per request: on a
-small CPU machine the client shares a core with the trainer or the server (measured on one core, 64
-concurrent requests of the demo's shape: 21 vs 180 ms of client CPU per wave).
+Owns: :class:`VLLMServer`, the handle (its URL, clients, weight version, served model, routes info).
+May call: :mod:`~megatron_rl.rollout.server_http`, :mod:`~megatron_rl.rollout.server_wire`,
+:mod:`~megatron_rl.rollout.server_routes`, vLLM's weight-sync client.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
-from typing import Any
 
 import aiohttp
 import httpx
@@ -44,139 +34,11 @@ from megatron_rl.config.base import ConfigError
 from megatron_rl.rollout.base import (Completion, EngineDied, EngineError, EngineTimeout, PauseMode,
                                       RolloutEngine, SamplingSpec)
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.routes import (ROUTES_EXTENSION, RouteInfo, RoutesError, aborted_or, decode_npy_b64,
-                                        fit_rows, pick_rows, select_layers)
-
-
-def server_healthy(url: str, timeout_s: float = 5.0) -> bool:
-    """The server at ``url`` answers ``/health`` with 200."""
-    try:
-        return httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-class RequestRejected(EngineError):
-    """The server refused the request itself (HTTP 4xx): resending it elsewhere would not help."""
-
-
-BASE_VERSION = "default"  # what vLLM reports before any weight update: the weights it started with
-
-
-def version_of(label: str | None, fallback: int) -> int:
-    """Our integer weight version from a server's label (``default``: the base weights, 0)."""
-    if label == BASE_VERSION:
-        return 0
-    try:
-        return int(label)
-    except (TypeError, ValueError):
-        return fallback
-
-
-def generate_body(prompt_ids: list[int], sampling: SamplingSpec, request_id: str | None = None,
-                  text: bool = True) -> dict[str, Any]:
-    """The ``/inference/v1/generate`` request for one prompt (vLLM's token-in / token-out route);
-    ``text`` False: token ids and log-probs only, nothing detokenized on the server."""
-    params: dict[str, Any] = {"n": sampling.n, "max_tokens": sampling.max_tokens,
-                              "temperature": sampling.temperature, "top_p": sampling.top_p, "logprobs": 0}
-    if not text:
-        params["detokenize"] = False
-    if sampling.top_k > 0:
-        params["top_k"] = sampling.top_k
-    if sampling.seed is not None:
-        params["seed"] = sampling.seed
-    if sampling.stop_token_ids:
-        params["stop_token_ids"] = list(sampling.stop_token_ids)
-    if sampling.min_tokens:
-        params["min_tokens"] = sampling.min_tokens
-    body: dict[str, Any] = {"token_ids": list(prompt_ids), "sampling_params": params,
-                            "output_mode": "text" if text else "tokens"}
-    if request_id is not None:
-        body["request_id"] = request_id
-    return body
-
-
-# Prompt tokens a client-side decode starts from (as vLLM's detokenizer seeds its stream with the
-# prompt's last tokens): a SentencePiece tokenizer then keeps the first output token's leading space.
-SEED_TOKENS = 8
-
-
-def completion_text(tokenizer, prompt_ids: list[int], token_ids: list[int], finish_reason: str | None) -> str:
-    """A sample's text as the server's detokenizer makes it (special tokens skipped; the token
-    that stopped it, an EOS or a stop token id, left out of the text but kept in its ids)."""
-    ids = list(token_ids[:-1]) if finish_reason == "stop" and token_ids else list(token_ids)
-    if not ids:
-        return ""
-    seed = list(prompt_ids[-SEED_TOKENS:])
-    if not seed:
-        return tokenizer.decode(ids, skip_special_tokens=True)
-    head = tokenizer.decode(seed, skip_special_tokens=True)
-    full = tokenizer.decode(seed + ids, skip_special_tokens=True)
-    return full[len(head):] if full.startswith(head) else tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def parse_choices(reply: dict, n: int, where: str) -> list[dict]:
-    """``n`` choices of a generate reply in sample order: token ids, log-probs, text, finish reason,
-    and the weight-version spans over the output tokens."""
-    choices = sorted(reply.get("choices") or [], key=lambda c: c.get("index", 0))
-    if len(choices) != n:
-        raise EngineError(f"{where}: {len(choices)} choices for n={n}")
-    out = []
-    for c in choices:
-        ids = list(c.get("token_ids") or [])
-        lps = [float(x["logprob"]) for x in ((c.get("logprobs") or {}).get("content") or [])]
-        if len(lps) != len(ids):
-            raise EngineError(f"{where}: {len(lps)} log-probs for {len(ids)} tokens")
-        out.append({"token_ids": ids, "logprobs": lps, "text": c.get("text") or "",
-                    "finish_reason": c.get("finish_reason") or "abort",
-                    "spans": c.get("weight_versions") or [], "routed_experts": c.get("routed_experts")})
-    return out
-
-
-def _raise_for_status(resp: httpx.Response, where: str) -> None:
-    """An error answer as :class:`RequestRejected` (4xx: the request itself) or :class:`EngineError`."""
-    if resp.status_code >= 400:
-        _raise_status(resp.status_code, resp.text, where)
-
-
-def _raise_status(status: int, text: str, where: str) -> None:
-    kind = RequestRejected if status < 500 else EngineError
-    raise kind(f"{where} HTTP {status}: {text[:500]}")
-
-
-async def _post_json(session: aiohttp.ClientSession, path: str, body: dict, where: str):
-    """POST ``body``; the reply's JSON. An error answer is raised as in :func:`_raise_for_status`;
-    a refused or cut connection as :class:`EngineDied` (timeouts are the caller's ``wait_for``)."""
-    try:
-        async with session.post(path, json=body) as resp:
-            raw = await resp.read()
-            if resp.status >= 400:
-                _raise_status(resp.status, raw.decode(errors="replace"), f"{where} ->")
-    except aiohttp.ClientError as exc:  # connection refused, reset, cut mid-answer (not timeouts)
-        if isinstance(exc, asyncio.TimeoutError):
-            raise
-        raise EngineDied(f"{where} failed: {type(exc).__name__}: {exc}") from exc
-    return json.loads(raw) if raw else {}
-
-
-# How long an idle kept-alive connection is reused: under the server's own idle close (uvicorn's
-# keep-alive timeout, VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default). At httpx's default (also 5 s) a
-# request could go out on a connection the server was closing that instant and come back as
-# "Server disconnected without sending a response": seen in CI as a spurious failed sync of a
-# healthy server.
-KEEPALIVE_S = 2.0
-# Idempotent control calls (GET) are sent once more when a kept-alive connection was closed under
-# them before any answer (the request never reached the server's handler).
-_RESEND_ON = (httpx.RemoteProtocolError,)
-
-GENERATE = "/inference/v1/generate"  # needs the server's --enable-scale-out
-# The generate route names a request "generate-tokens-<request_id of the body>" inside vLLM
-# (vllm/entrypoints/scale_out/token_in_token_out/serving.py); /abort_requests takes that name.
-GENERATE_ID_PREFIX = "generate-tokens-"
-
-
-def _control_client(url: str, timeout_s: float) -> httpx.Client:
-    return httpx.Client(base_url=url, timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
+from megatron_rl.rollout.routes import ROUTES_EXTENSION, RouteInfo, RoutesError
+from megatron_rl.rollout.server_http import KEEPALIVE_S, RESEND_ON, control_client, post_json, raise_for_status
+from megatron_rl.rollout.server_routes import reply_routes
+from megatron_rl.rollout.server_wire import (BASE_VERSION, GENERATE, GENERATE_ID_PREFIX, completion_text,
+                                             generate_body, parse_choices, version_of)
 
 
 class VLLMServer(RolloutEngine):
@@ -199,7 +61,7 @@ class VLLMServer(RolloutEngine):
         # Ranks this engine takes in a weight-transfer group: one per vLLM worker (TP x PP).
         self.workers = workers or cfg.tensor_parallel_size
         self.weight_version = 0
-        self._http = _control_client(self.url, cfg.control_timeout_s)
+        self._http = control_client(self.url, cfg.control_timeout_s)
         self._async: aiohttp.ClientSession | None = None
         self._async_loop: asyncio.AbstractEventLoop | None = None
         self.return_routes = return_routes
@@ -212,7 +74,7 @@ class VLLMServer(RolloutEngine):
         if url != self.url:
             self._http.close()
             self.url = url
-            self._http = _control_client(self.url, self.cfg.control_timeout_s)
+            self._http = control_client(self.url, self.cfg.control_timeout_s)
             self._drop_async()
 
     def __repr__(self) -> str:
@@ -226,7 +88,7 @@ class VLLMServer(RolloutEngine):
         try:
             try:
                 resp = send()
-            except _RESEND_ON:
+            except RESEND_ON:
                 if method != "GET":
                     raise
                 resp = send()
@@ -236,7 +98,7 @@ class VLLMServer(RolloutEngine):
         except httpx.TransportError as exc:
             raise EngineDied(f"engine {self.name} ({self.url}): {method} {path} failed: "
                              f"{type(exc).__name__}: {exc}") from exc
-        _raise_for_status(resp, f"engine {self.name} ({self.url}): {method} {path} ->")
+        raise_for_status(resp, f"engine {self.name} ({self.url}): {method} {path} ->")
         return resp
 
     def health(self, timeout: float | None = None) -> bool:
@@ -327,7 +189,7 @@ class VLLMServer(RolloutEngine):
         ids = [GENERATE_ID_PREFIX + rid for rid in request_ids]
         where, limit = f"engine {self.name} ({self.url}): POST /abort_requests", self.cfg.control_timeout_s
         try:
-            await asyncio.wait_for(_post_json(self._client(), "/abort_requests", {"request_ids": ids}, where),
+            await asyncio.wait_for(post_json(self._client(), "/abort_requests", {"request_ids": ids}, where),
                                    limit)
         except asyncio.TimeoutError as exc:
             raise EngineTimeout(f"{where}: no answer within {limit:.1f}s") from exc
@@ -405,12 +267,13 @@ class VLLMServer(RolloutEngine):
         where = f"engine {self.name} ({self.url})"
         try:
             reply = await asyncio.wait_for(
-                _post_json(self._client(), GENERATE, body, f"{where}: generation request"), self.cfg.timeout_s)
+                post_json(self._client(), GENERATE, body, f"{where}: generation request"), self.cfg.timeout_s)
         except asyncio.TimeoutError as exc:
             raise EngineTimeout(f"{where}: no answer to a generation request within rollout.timeout_s="
                                 f"{self.cfg.timeout_s:g}s") from exc
         choices = parse_choices(reply, sampling.n, where)
-        routes = await self._routes(choices, prompt_ids, request_id, sampling.n)
+        routes = await reply_routes(self.route_info, choices, prompt_ids, request_id, sampling.n,
+                                    session=self._client(), where=where, limit=self.cfg.control_timeout_s)
         out = []
         for c, rows in zip(choices, routes):
             spans = [(version_of(sp["version"], version), sp["start"], sp["end"]) for sp in c["spans"]
@@ -423,43 +286,6 @@ class VLLMServer(RolloutEngine):
                                   version_spans=spans if len({v for v, _, _ in spans}) > 1 else [],
                                   engine=self.name, routes=rows))
         return out
-
-    async def _routes(self, choices: list[dict], prompt_ids: list[int], request_id: str | None,
-                      n: int) -> list:
-        """Each choice's MoE routes (None each without ``return_routes``): from the reply
-        (vLLM's own ``routed_experts``) or taken from the workers' capture (``mrl_routes_take``)."""
-        info = self.route_info
-        if info is None:
-            return [None] * len(choices)
-        where = f"engine {self.name} ({self.url}): request {request_id}"
-        if info.source == "native":
-            out = []
-            for j, c in enumerate(choices):
-                if not c["routed_experts"] and c["finish_reason"] == "abort":
-                    out.append(None)
-                    continue
-                if not c["routed_experts"]:
-                    raise RoutesError(f"{where} sample {j}: no routed_experts in the reply (is the server "
-                                      f"started with --enable-return-routed-experts?)")
-                rows = select_layers(decode_npy_b64(c["routed_experts"]), info)
-                out.append(aborted_or(c["finish_reason"], fit_rows, rows, None, prompt_ids, c["token_ids"], info,
-                                      f"{where} sample {j}"))
-            return out
-        external = GENERATE_ID_PREFIX + request_id
-        body = {"method": "mrl_routes_take", "args": [[[external, n]]], "kwargs": {}}
-        limit = self.cfg.control_timeout_s
-        try:
-            reply = await asyncio.wait_for(
-                _post_json(self._client(), "/collective_rpc", body, f"{where}: POST /collective_rpc mrl_routes_take"),
-                limit)
-        except asyncio.TimeoutError as exc:
-            raise EngineTimeout(f"{where}: no routes within rollout.control_timeout_s={limit:g}s") from exc
-        taken: dict = {}
-        for answer in reply.get("results") or []:
-            for entry in (answer or {}).values():
-                taken.setdefault(int(entry["index"]), []).append(entry)
-        return [aborted_or(c["finish_reason"], pick_rows, taken.get(j, []), prompt_ids, c["token_ids"], info,
-                           f"{where} sample {j}") for j, c in enumerate(choices)]
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
         async def run():

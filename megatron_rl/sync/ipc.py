@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.sync.base import SyncError
-from megatron_rl.sync.vllm_protocol import ServerTransport, ServerWeightSync
+from megatron_rl.sync.server_transport import ServerTransport
+from megatron_rl.sync.vllm_protocol import ServerWeightSync
 
 
 def _init_info(config, world_size: int, rank: int, **_one_sender):

@@ -11,7 +11,8 @@ path for several senders; it is not wired here (no GPU to check it on)."""
 
 from __future__ import annotations
 
-from megatron_rl.sync.vllm_protocol import ServerTransport, ServerWeightSync
+from megatron_rl.sync.server_transport import ServerTransport
+from megatron_rl.sync.vllm_protocol import ServerWeightSync
 
 
 def _init_info(config, world_size: int, rank: int, **_one_sender):

@@ -1,223 +1,53 @@
 """Weights into a fleet of vLLM servers through vLLM's own weight-transfer protocol.
 
 vLLM's trainer-side engines (``WeightTransferTrainerFactory``: ``nccl``, ``ipc``, and our ``gloo``)
-drive a server through a client of its RL routes (``HTTPVLLMWeightSyncClient``). :class:`FleetClient`
-is that client for many servers at once: every call goes to all of them concurrently, and the
-group-joining call gives each server its own rank offset, so one transfer group spans the sender and
-every worker of every engine.
+drive each server through a client of its RL routes; :class:`ServerWeightSync` is the
+:class:`~megatron_rl.sync.base.WeightSync` on top, and keeps what vLLM leaves to the caller, one
+part per concern:
 
-:class:`ServerWeightSync` is the :class:`~megatron_rl.sync.base.WeightSync` on top, and keeps what
-vLLM leaves to the caller: which engines take part (the fleet's live and rejoining engines; the group
-is re-formed when that set changes), per-engine verification (one checksum per packed bucket where the
-backend reports them, then each of :attr:`ServerWeightSync.checks`, then the probe: every engine
-scores a fixed sequence and must match the trainer's log-probs, :mod:`megatron_rl.sync.probe`), the
-prefix-cache reset, each engine's verified version (:data:`UNKNOWN_VERSION` after a failed sync: it
-then serves nothing), timeouts, and the ``sync/*`` metrics. An engine that died is taken out of the
-fleet; one that failed but answers rejoins the next sync. Every engine a round loads is paused first
-(``fleet.hold()``) and resumed only after vLLM's finish route (no forward pass while its weights are
-taken apart).
+- the client of every server at once: :mod:`megatron_rl.sync.fleet_client`; what differs between
+  the backends and the weights' source: :mod:`megatron_rl.sync.server_transport`;
+- the transfer group (formed, joined, torn down): :mod:`megatron_rl.sync.transfer_group`;
+- one round (which engines take part, the route calls, the metrics): :mod:`megatron_rl.sync.server_round`;
+  per-engine verification after it (checksums, :attr:`ServerWeightSync.checks`, the probe) and what
+  befalls an engine that failed: :mod:`megatron_rl.sync.server_checks`;
+- several senders (each pipeline stage streams its own tensors): :mod:`megatron_rl.sync.server_senders`.
 
-Engine loss: the sender keeps a host copy of the last weights it sent (and the probe they were
-checked with), so when the fleet finds no engine up mid-generation the engines its launchers
+Each engine's verified version is :data:`UNKNOWN_VERSION` after a failed sync (it then serves
+nothing). An engine that died is taken out of the fleet; one that failed but answers rejoins the
+next sync.
+
+Engine loss (this module): the sender keeps a host copy of the last weights it sent (and the probe they
+were checked with), so when the fleet finds no engine up mid-generation the engines its launchers
 restart are loaded and verified without the trainer (:meth:`ServerWeightSync.revive`, the fleet's
-reviver); a sync that finds no engine at all waits for restarts up to ``rollout.start_timeout_s``.
+reviver); a round that reached no engine is sent again from that copy (:meth:`ServerWeightSync.sync`).
+With several senders the driver holds only its own tensors: no host copy, so no revival or re-send
+of a round from it (a lost fleet waits for the trainer's next sync, which exports again).
 
-Round trips: a sync is the route calls on the critical path, each HTTP -> engine core -> worker and
-back, on every engine at once. The fleet's check (/weight_info: a silently restarted engine must
-rejoin) runs while vLLM's /start_weight_update goes out to the standing group (undone, rarely, when
-the check finds an engine to add); the version rides on /finish_weight_update (vLLM's finish route
-takes it), which the gloo backend sends as soon as every worker has received everything; then each
-engine's /reset_prefix_cache runs beside its version check (/weight_info).
-
-Several senders (the plan names each tensor's trainer rank: every pipeline stage streams its own,
-``sync.senders=owners``; backends with a ``host``, i.e. gloo): the driver (global rank 0) drives the
-routes and decides each round; over the trainer's process group it announces the round to every rank
-(whether it sends, and, when the transfer group is (re-)formed, the store the other senders join:
-:class:`~megatron_rl.sync.base.SenderRound`; while it waits for restarted engines, a "wait" every
-minute, so no rank's collective times out), every sender streams its own buckets on its group, and
-the driver collects each sender's checksums and bytes, which it checks as its own. The driver holds
-only its own tensors then: no host copy, so no revival or re-send of a round from it (a lost fleet
-waits for the trainer's next sync, which exports again).
+Owns: the host copy of the last weights sent, one round at a time (the trainer's syncs and the
+fleet's revivals).
+May call: the parts above; the fleet (set_reviver, live, state, wait_for_engines).
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
-import torch
-from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-from megatron_rl.rollout.base import UNKNOWN_VERSION, EngineError, RolloutEngine
-from megatron_rl.rollout.fleet import EngineState
-from megatron_rl.sync.base import (DRIVER, NamedTensors, SenderRound, SendPlan, SyncError, SyncMetrics,
-                                   SyncMismatch, SyncTimeout, WeightSync, drain)
-from megatron_rl.sync import probe
+from megatron_rl.rollout.base import RolloutEngine
+from megatron_rl.rollout.fleet_members import EngineState
+from megatron_rl.sync.base import (DRIVER, NamedTensors, SenderRound, SendPlan, SyncError, SyncMetrics, SyncMismatch,
+                                   WeightSync)
 from megatron_rl.sync.config import SyncConfig
+from megatron_rl.sync.server_checks import check_reported_version
+from megatron_rl.sync.server_round import ServerRound
+from megatron_rl.sync.server_senders import follow
+from megatron_rl.sync.server_transport import ServerTransport, StreamSource
+from megatron_rl.sync.transfer_group import TransferGroup
 
 log = logging.getLogger("megatron_rl")
-# Seconds between the driver's "wait" announcements while it waits for restarted engines (each is a
-# collective the other trainer ranks block in: well under any torch.distributed timeout).
-WAIT_CHUNK_S = 60.0
-
-
-class EngineCallFailed(SyncError):
-    """A weight-transfer route failed on some engines; ``failures`` maps engine name -> reason."""
-
-    def __init__(self, route: str, failures: dict[str, str]):
-        self.route, self.failures = route, failures
-        super().__init__(f"{route} failed on " + "; ".join(f"{n}: {r}" for n, r in failures.items()))
-
-
-class FleetClient:
-    """vLLM's ``VLLMWeightSyncClient`` protocol over several servers (``engines`` with
-    ``weight_sync_client()`` and ``workers``). Each call goes to every server concurrently and returns
-    once all answered, or raises :class:`EngineCallFailed` as soon as any failed.
-
-    What it adds to the protocol, per round (so vLLM's trainer-side engines drive it unchanged):
-    :meth:`begin` sets the round's weight version, which every ``finish_weight_update`` carries (vLLM's
-    finish route tags the engine with it: no separate tagging call); and a round whose start was sent
-    ahead (:meth:`start_ahead`, while the fleet's check runs) makes the backend's own
-    ``start_weight_update`` a no-op."""
-
-    def __init__(self, engines: list, timeout_s: float):
-        self.engines = list(engines)
-        self.timeout_s = timeout_s
-        self.clients = [e.weight_sync_client(timeout_s) for e in self.engines]
-        offsets, offset = [], 1  # rank 0 is the sender
-        for e in self.engines:
-            offsets.append(offset)
-            offset += e.workers
-        self.offsets = offsets
-        self.world_size = offset
-        # two calls may be in flight per server (a backend may send the finish behind the update)
-        self._pool = cf.ThreadPoolExecutor(max_workers=max(2, 2 * len(self.engines)), thread_name_prefix="wt-client")
-        self._in_flight: set[cf.Future] = set()
-        self.version: str | None = None  # the round's weight version (finish tags it)
-        self._started = False            # the round's start was sent ahead
-
-    def _fanout(self, route: str, call: Callable[[int, Any], Any], timeout_s: float | None = None) -> None:
-        futures = {self._pool.submit(call, i, c): i for i, c in enumerate(self.clients)}
-        self._in_flight = {f for f in self._in_flight if not f.done()} | set(futures)
-        done, pending = cf.wait(futures, timeout=timeout_s or self.timeout_s, return_when=cf.FIRST_EXCEPTION)
-        failures = {}
-        for fut in done:
-            if fut.exception() is not None:
-                exc = fut.exception()
-                failures[self.engines[futures[fut]].name] = f"{type(exc).__name__}: {exc}"
-        if not failures and pending:
-            failures = {self.engines[futures[f]].name: f"no answer within {timeout_s or self.timeout_s:g}s"
-                        for f in pending}
-        if failures:
-            raise EngineCallFailed(route, failures)
-
-    def wait_idle(self, timeout_s: float) -> None:
-        """Wait (bounded) for calls still running after a failure: the servers must have left the
-        broken round before the group is re-formed."""
-        cf.wait(self._in_flight, timeout=timeout_s)
-
-    def start_ahead(self) -> None:
-        """vLLM's start route on every server, ahead of the round (raises :class:`EngineCallFailed`)."""
-        self._fanout("start_weight_update", lambda i, c: c.start_weight_update())
-
-    def undo_start(self) -> None:
-        """Close a start sent ahead for a round that will not be sent after all (vLLM's finish route
-        without a version: a layerwise reload that received nothing puts every layer back)."""
-        self._fanout("finish_weight_update", lambda i, c: c.finish_weight_update(None))
-
-    def begin(self, version: int | str | None, *, started: bool = False) -> None:
-        """A new round: its version (``None``: finish tags nothing), and whether its start was sent
-        ahead (:meth:`start_ahead`; the round's own ``start_weight_update`` then sends nothing)."""
-        self.version = None if version is None else str(version)
-        self._started = started
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        def call(i, c):
-            info = dict(init_info)
-            if "rank_offset" in info:
-                info["rank_offset"] = self.offsets[i]
-            c.init_weight_transfer_engine(info)
-        self._fanout("init_weight_transfer_engine", call)
-
-    def start_weight_update(self) -> None:
-        if self._started:
-            self._started = False
-            return
-        self._fanout("start_weight_update", lambda i, c: c.start_weight_update())
-
-    def update_weights(self, update_info) -> None:
-        self._fanout("update_weights", lambda i, c: c.update_weights(update_info))
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        version = weight_version if weight_version is not None else self.version
-        self._fanout("finish_weight_update", lambda i, c: c.finish_weight_update(version))
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self._fanout("shutdown_weight_transfer_engine", lambda i, c: c.shutdown_weight_transfer_engine())
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False)
-
-
-class StreamSource(WeightSource):
-    """vLLM's ``WeightSource`` over our export: the metadata is the whole model's (every rank), each
-    item's sender is known (:meth:`sender_index`), the stream is set per sync (the Megatron export is
-    a collective generator that can be walked once) and yields this rank's items only
-    (:meth:`held_names`)."""
-
-    def __init__(self, plan: SendPlan, rank: int):
-        self._meta = [ParamMeta(name, dtype, tuple(shape)) for name, dtype, shape, _ in plan.items]
-        self._senders = plan.sender_index()
-        self._held = {name for name, _, _, r in plan.items if r == rank}
-        self.stream: NamedTensors | None = None
-
-    def metadata(self) -> list[ParamMeta]:
-        return self._meta
-
-    def sender_index(self) -> list[int]:
-        return self._senders
-
-    def held_names(self):
-        return self._held
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        stream, self.stream = self.stream, None
-        if stream is None:
-            raise RuntimeError("no export stream was given for this sync")
-        yield from stream
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerTransport:
-    """What differs between the backends: the trainer-side init info (``rank`` 0 drives), and for a
-    backend that takes several senders the store the driver hosts for them."""
-
-    name: str
-    # (config, world size, rank, **several-sender keys: senders, sender_index, port, store) -> TrainerInitInfo
-    init_info: Callable[..., Any]
-    # Wrap the export so the backend's source suits it (ipc: full tensors on every rank).
-    wrap: Callable[[NamedTensors, list[ParamMeta]], NamedTensors] = lambda named, meta: named
-    # (config, world size) -> the driver's store (``.port``) for several senders; None: one sender only.
-    host: Callable[[SyncConfig, int], Any] | None = None
-    # The export on every rank names every item ((name, None) where the rank does not send it).
-    placeholders: bool = False
-    # The sending rank alone can load its copy of the last weights into restarted engines (ipc
-    # needs every trainer rank: a lost fleet then waits for the next sync).
-    revivable: bool = True
-
-
-def check_reported_version(engine, version: int) -> None:
-    """The engine says it holds ``version`` (what ``/weight_info`` reports after the finish route
-    tagged it)."""
-    reported = engine.server_weight_version()
-    if reported != str(version):
-        raise SyncError(f"engine {engine.name} reports weight version {reported!r}, expected {version}")
 
 
 class ServerWeightSync(WeightSync):
@@ -242,7 +72,6 @@ class ServerWeightSync(WeightSync):
         self.rank = rank
         self.driver = driver
         self.plan = plan
-        self.sender_index = plan.index(rank)
         self.several = len(plan.senders) > 1
         self.round = SenderRound(group) if self.several else None
         self.transport = transport
@@ -251,9 +80,8 @@ class ServerWeightSync(WeightSync):
         # Checks each engine must pass after loading, in order: fn(engine, version) raising
         # SyncError; then the probe (self.probe, when the trainer set one).
         self.checks: list[Callable[[RolloutEngine, int], None]] = [check_reported_version]
-        self._engine = None   # vLLM's trainer-side weight-transfer engine
-        self._client: FleetClient | None = None
-        self._members: list[str] = []
+        self.transfer = TransferGroup(config, transport, self.source, plan, rank)
+        self.rounds = ServerRound(config, fleet, self.transfer, self.round, self.checks) if driver else None
         # one round at a time: the trainer's syncs and the fleet's revivals (another thread)
         self._rounds = threading.RLock()
         # (version, host copy of the tensors, probe reference) of the last weights sent (one sender)
@@ -261,70 +89,26 @@ class ServerWeightSync(WeightSync):
         if driver and transport.revivable and not self.several and hasattr(fleet, "set_reviver"):
             fleet.set_reviver(self.revive)
 
-    # ------------------------------------------------------------------------ group lifecycle
     def connect(self) -> None:
         """Form the transfer group now (one sender); with several the first sync forms it (the other
         senders learn of it in the round's announcement)."""
-        if self._engine is not None:
+        if self.transfer.engine is not None:
             return
         if not self.driver:
-            if self.sender_index is None or not self.several:  # sends nothing: walks its export
-                info = self.transport.init_info(self.config, 1, self.rank, sender_index=None)
-                self._engine = WeightTransferTrainerFactory.trainer_init(info, client=None, source=self.source)
+            self.transfer.connect_walker()
             return
         if not self.several:
-            self._form(self.fleet.sync_targets())
-
-    def _form(self, members: list, store=None) -> None:
-        self._teardown()
-        client = FleetClient(members, self.config.timeout_s)
-        extra = {} if not self.several else dict(senders=len(self.plan.senders), sender_index=self.sender_index,
-                                                 store=store, port=store.port)
-        info = self.transport.init_info(self.config, client.world_size, DRIVER, **extra)
-        try:
-            self._engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=self.source)
-        except BaseException:
-            client.close()
-            raise
-        self._client = client
-        self._members = [e.name for e in members]
-
-    def _join(self, form: dict) -> None:
-        """Another sender: (re-)join its group at the driver's store (``form``: port, world size)."""
-        self._drop_engine()
-        info = self.transport.init_info(self.config, form["world"], self.rank, senders=len(self.plan.senders),
-                                        sender_index=self.sender_index, port=form["port"])
-        self._engine = WeightTransferTrainerFactory.trainer_init(info, client=None, source=self.source)
-
-    def _drop_engine(self) -> None:
-        engine, self._engine = self._engine, None
-        if engine is not None:
-            try:
-                engine.shutdown()
-            except Exception:  # noqa: BLE001 - a broken group may refuse; it is dropped anyway
-                pass
-
-    def _teardown(self) -> None:
-        self._drop_engine()
-        client, self._client = self._client, None
-        self._members = []
-        if client is not None:
-            client.wait_idle(self.config.timeout_s)
-            try:
-                client.shutdown_weight_transfer_engine()
-            except SyncError:
-                pass  # engines that are gone; the others re-initialise on the next init
-            client.close()
+            self.transfer.form(self.fleet.sync_targets())
 
     def close(self) -> None:
         if self.driver:
             if getattr(self.fleet, "reviver", None) == self.revive:
                 self.fleet.set_reviver(None)
             with self._rounds:
-                self._teardown()
+                self.transfer.teardown()
                 self._last = None
         else:
-            self._drop_engine()
+            self.transfer.drop_engine()
 
     def revive(self) -> None:
         """The fleet's reviver (no engine is up, some answer again): the last weights sent, loaded
@@ -341,10 +125,9 @@ class ServerWeightSync(WeightSync):
                         [e.name for e in self.fleet.sync_targets()])
             self._round(iter(kept), version, reference)
 
-    # ------------------------------------------------------------------------------- one sync
     def sync(self, named_tensors: NamedTensors, version: int) -> SyncMetrics:
         if not self.driver:
-            return self._follow(named_tensors, version)
+            return follow(self.transfer, self.round, self.transport, named_tensors, version)
         with self._rounds:
             if self.several:  # no host copy: the other senders' tensors never pass through here
                 return self._round(named_tensors, version, self.probe)
@@ -389,288 +172,9 @@ class ServerWeightSync(WeightSync):
                 failure = exc
 
     def _round(self, named_tensors: NamedTensors, version: int, reference) -> SyncMetrics:
-        """One round to the fleet's sync targets; ``reference``: the probe every engine must pass."""
-        cfg = self.config
-        t0 = time.perf_counter()
-        self.fleet.hold()  # nothing may compute while a round's start takes the weights apart
-        started, rejoining = self._check_and_start()
-        self._wait_for_restarts(version)
-        self.fleet.hold()  # the engines the check found rejoining too
-        phases = {"start": time.perf_counter() - t0}
-        members = self.fleet.sync_targets()
-        if started and (rejoining or [e.name for e in members] != self._members):
-            self._undo_start()  # an engine joins (or left): the round starts afresh
-            started = False
-        if not members:
-            if self.several:
-                self.round.announce({"send": False, "form": None})
-                self.round.collect(None)
-            drain(named_tensors, version)
-            raise SyncError(f"weight sync v{version}: no engine to load it; engines: {self.fleet.states()}")
-        forming = rejoining or [e.name for e in members] != self._members or self._engine is None
-        stream = iter(self.transport.wrap(named_tensors, self.source.metadata()))
-        failures: dict[str, str] = {}
-        store, hosting = None, None
-        if self.several:  # the other senders learn of the round (and of a new group: its store)
-            world = 1 + sum(e.workers for e in members)
-            try:
-                if forming:
-                    self._teardown()
-                    store = self.transport.host(cfg, world)
-            except Exception as exc:  # noqa: BLE001 - the round is off; raised below, after the announcement
-                hosting = exc
-            self.round.announce({"send": hosting is None,
-                                 "form": None if store is None else {"port": store.port, "world": world}})
-        try:
-            if hosting is not None:
-                raise hosting
-            if forming:
-                t1 = time.perf_counter()
-                self._form(members, store)
-                phases["form"] = time.perf_counter() - t1
-            self._client.begin(version, started=started)  # the finish route tags the version
-            self.source.stream = stream
-            self._engine.send_weights()
-        except Exception as exc:  # noqa: BLE001 - attributed to engines below
-            failures = self._attribute(exc, members)
-            self._teardown()  # the group is unusable after a failed round
-        finally:
-            for _ in stream:  # the export is collective: walk it to the end whatever happened
-                pass
-        report = getattr(self._engine, "report", None) if not failures else None
-        if self.several:
-            report, failures = self._merge(report, failures, members)
-        mismatched = self._compare(report, members) if (cfg.verify and report is not None) else {}
-        failures.update(mismatched)
-        metrics = SyncMetrics(version=version, verified=cfg.verify, senders=len(self.plan.senders))
-        if report is not None:
-            metrics.bytes, metrics.tensors, metrics.buckets = report.bytes, report.tensors, report.buckets
-            metrics.verify_seconds = report.hash_seconds
-            metrics.sender_bytes = dict(getattr(report, "sender_bytes", {}) or {DRIVER: report.bytes})
-            for k, v in (getattr(report, "phases", {}) or {}).items():
-                phases[k] = phases.get(k, 0.0) + v
-        else:
-            metrics.bytes = self.plan.nbytes()
-            metrics.tensors = len(self.plan.items)
-            metrics.sender_bytes = {r: self.plan.nbytes(r) for r in self.plan.senders}
-        probed: list[dict] = []
-
-        def settle(engine) -> None:  # per engine, all engines at once (each is a few HTTP calls)
-            if engine.name not in failures:
-                try:
-                    gap = self._commit(engine, version, pool, reference)
-                    if gap is not None:
-                        probed.append(gap)
-                except (SyncError, EngineError) as exc:
-                    failures[engine.name] = str(exc)
-                    if isinstance(exc, SyncMismatch):
-                        mismatched[engine.name] = str(exc)
-            if engine.name in failures:
-                self._fail(engine, failures[engine.name])
-
-        t1 = time.perf_counter()
-        # two workers per engine: its commit, and its prefix-cache reset beside the checks
-        with cf.ThreadPoolExecutor(max_workers=2 * len(members), thread_name_prefix="wt-commit") as pool:
-            list(pool.map(settle, members))
-        phases["commit"] = time.perf_counter() - t1
-        for gap in probed:
-            metrics.add_probe_gap(gap)
-        metrics.seconds = time.perf_counter() - t0
-        metrics.phases = phases
-        metrics.failures = failures
-        metrics.failed_engines = len(failures)
-        metrics.engines = len(members) - len(failures)
-        metrics.complete = all(self.fleet.state(e) is not EngineState.JOINING for e in members)
-        if metrics.engines == 0:
-            kind = SyncMismatch if mismatched else (SyncTimeout if _timed_out(failures) else SyncError)
-            raise kind(f"weight sync v{version} reached no engine: " +
-                       "; ".join(f"{n}: {r}" for n, r in failures.items()))
-        if failures:
-            log.warning("weight sync v%d: %d of %d engines failed: %s", version, len(failures), len(members),
-                        failures)
-        return metrics
-
-    def _follow(self, named_tensors: NamedTensors, version: int) -> SyncMetrics:
-        """A rank other than the driver. One sender: walk the export (rank 0 sends it all). Several:
-        take the driver's announcement, (re-)join this sender's group when told, stream this rank's
-        buckets, and report them (or the failure) to the driver."""
-        if not self.several:
-            self.connect()
-            self.source.stream = self.transport.wrap(named_tensors, self.source.metadata())
-            self._engine.send_weights()
-            return SyncMetrics(version=version)
-        plan = self.round.announce(None)
-        while plan.get("wait"):  # the driver waits for restarted engines
-            plan = self.round.announce(None)
-        stream = iter(named_tensors)
-        outcome = None
-        try:
-            if self.sender_index is not None and plan["send"]:
-                if plan["form"] is not None or self._engine is None:
-                    if plan["form"] is None:
-                        raise SyncError("no transfer group to send on (it failed to form)")
-                    self._join(plan["form"])
-                self.source.stream = stream
-                self._engine.send_weights()
-                r = self._engine.report
-                outcome = {"rank": self.rank, "index": self.sender_index, "report": r}
-        except Exception as exc:  # noqa: BLE001 - the driver attributes it
-            outcome = {"rank": self.rank, "index": self.sender_index, "error": f"{type(exc).__name__}: {exc}"}
-            self._drop_engine()  # the group is unusable; the workers waiting on it fail at once
-        finally:
-            for _ in stream:  # the export is collective: walk it to the end whatever happened
-                pass
-        self.round.collect(outcome)
-        return SyncMetrics(version=version)
-
-    def _merge(self, mine, failures: dict[str, str], members: list):
-        """The driver: every sender's report (checksums and names in sender order, bytes per rank)
-        as one, or the round's failures when a sender failed."""
-        outcomes = [o for o in self.round.collect(None) if o is not None]
-        errors = {o["rank"]: o["error"] for o in outcomes if "error" in o}
-        if errors and not failures:  # the workers waited on that sender: the round is cut
-            cause = "; ".join(f"sender rank {r}: {e}" for r, e in sorted(errors.items()))
-            failures = {e.name: f"the round was cut ({cause})" for e in members}
-            self._teardown()
-        if failures or mine is None:
-            return None, failures
-        parts = sorted([(self.sender_index, DRIVER, mine)] +
-                       [(o["index"], o["rank"], o["report"]) for o in outcomes if "report" in o],
-                       key=lambda p: p[0])
-        merged = dataclasses.replace(mine, bucket_names=[], sent=[], received={}, buckets=0, tensors=0,
-                                     bytes=0, hash_seconds=0.0, sender_bytes={})
-        for _, rank, part in parts:
-            merged.bucket_names += part.bucket_names
-            merged.sent += part.sent
-            for r, sums in part.received.items():
-                merged.received.setdefault(r, []).extend(sums)
-            merged.buckets += part.buckets
-            merged.tensors += part.tensors
-            merged.bytes += part.bytes
-            merged.hash_seconds = max(merged.hash_seconds, part.hash_seconds)  # in parallel
-            merged.sender_bytes[rank] = part.bytes
-        return merged, failures
-
-    def _wait_for_restarts(self, version: int) -> None:
-        """No engine to load (all lost): wait up to ``rollout.start_timeout_s`` for their launchers'
-        restarts; with several senders the others hear "wait" every minute meanwhile."""
-        if self.fleet.sync_targets() or not hasattr(self.fleet, "wait_for_engines"):
-            return
-        timeout = self.fleet.cfg.start_timeout_s
-        log.warning("weight sync v%d: no engine to load it (%s): waiting up to rollout.start_timeout_s"
-                    "=%gs for restarts", version, self.fleet.states(), timeout)
-        deadline = time.monotonic() + timeout
-        while not self.fleet.sync_targets() and time.monotonic() < deadline:
-            self.fleet.wait_for_engines(min(WAIT_CHUNK_S, max(0.0, deadline - time.monotonic())))
-            if self.several:
-                self.round.announce({"wait": True})
-
-    def _check_and_start(self) -> tuple[bool, list]:
-        """The fleet's check before a sync (:meth:`EngineFleet.probe`: DOWN engines that answer
-        again, live ones that report other weights than they were verified with: restarted) and,
-        while it runs, vLLM's start route on the members of the standing transfer group (the round
-        starts a route's round trip earlier). Returns (whether the start went out, the engines
-        rejoining). An engine whose start failed is out of this sync (down, or unknown weights)."""
-        client, members = self._client, self.fleet.sync_targets()
-        if client is None or self._engine is None or [e.name for e in members] != self._members:
-            return False, self.fleet.probe()
-        pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="wt-start")
-        try:
-            starting = pool.submit(client.start_ahead)
-            rejoining = self.fleet.probe()
-            try:
-                starting.result(timeout=self.config.timeout_s + 5)  # (the fan-out has its own timeout)
-                return True, rejoining
-            except EngineCallFailed as exc:
-                failed = exc.failures
-            except cf.TimeoutError:
-                failed = {e.name: f"no answer within {self.config.timeout_s:g}s" for e in members}
-        finally:
-            pool.shutdown(wait=False)
-        log.warning("weight sync: /start_weight_update failed on %s", failed)
-        self._undo_start()
-        for engine in members:
-            if engine.name in failed:
-                self._fail(engine, f"/start_weight_update failed: {failed[engine.name]}")
-        self._teardown()  # re-formed around the engines left
-        return False, rejoining
-
-    def _undo_start(self) -> None:
-        try:
-            self._client.undo_start()
-        except SyncError as exc:  # such an engine fails its next start, then this sync
-            log.warning("weight sync: closing the start sent ahead failed: %s", exc)
-
-    def _commit(self, engine, version: int, aside: cf.Executor, reference) -> dict | None:
-        """After the finish route loaded and tagged ``version`` (vLLM's finish takes the version):
-        reset the engine's prefix cache while its checks run (each :attr:`checks`, the reported
-        version first), score the probe (what it computes with the new weights), then admit it.
-        Returns its probe gap (None: no probe).
-
-        The engine was paused for the round (``fleet.hold()``; partial rollouts: with the whole
-        fleet): it resumes before the probe, which a server paused in mode keep would not schedule;
-        what it kept frozen continues then, with the new weights (the reset dropped their KV, so it
-        is recomputed), under the new version's label, and the fleet holds what it returns until
-        :meth:`admit` (or re-sends it if the probe fails)."""
-        # cached blocks (running requests' too) hold the old weights' KV; ``aside`` has a worker free
-        resetting = aside.submit(engine.reset_prefix_cache)
-        for check in self.checks:
-            check(engine, version)
-        try:
-            resetting.result(timeout=self.config.timeout_s)  # (the call has its own timeout)
-        except cf.TimeoutError:
-            raise SyncTimeout(f"engine {engine.name}: /reset_prefix_cache did not answer within "
-                              f"{self.config.timeout_s:g}s") from None
-        engine.weight_version = version  # verified
-        self.fleet.resume_paused(engine)
-        gap = probe.check(engine, reference) if (self.config.verify and reference is not None) else None
-        self.fleet.admit(engine)
-        return gap
-
-    def _fail(self, engine, reason: str) -> None:
-        """After a failed sync: a reachable engine holds unknown weights and rejoins the next sync;
-        an unreachable one is down (its launcher restarts it)."""
-        if engine.health():
-            try:
-                engine.set_weight_version(UNKNOWN_VERSION)
-            except EngineError:
-                pass
-            self.fleet.mark_unknown(engine, reason)
-        else:
-            self.fleet.mark_down(engine, f"failed weight sync: {reason}")
-
-    def _attribute(self, exc: Exception, members: list) -> dict[str, str]:
-        """Which engines a failed round is due to; when none can be named, all of them."""
-        named = dict(getattr(exc, "failures", {}) or {})
-        for engine in members:
-            if engine.name not in named and not engine.health(timeout=5.0):
-                named[engine.name] = f"died during the sync ({type(exc).__name__}: {exc})"
-        survivors = {e.name for e in members} - set(named)
-        cause = f"the round was cut ({type(exc).__name__}: {exc})"
-        for name in survivors:  # their receive was cut by the failure: mixed weights
-            named[name] = cause
-        return named
-
-    def _compare(self, report, members: list) -> dict[str, str]:
-        """Engines whose workers received other bytes than were sent, naming the first bucket."""
-        if not report.received:
-            return {}
-        bad: dict[str, str] = {}
-        rank = 1
-        for engine in members:
-            for w in range(engine.workers):
-                got = report.received.get(rank + w)
-                if got is None:
-                    continue
-                diff = [k for k, (a, b) in enumerate(zip(report.sent, got)) if a != b]
-                if diff and engine.name not in bad:
-                    k = diff[0]
-                    names = report.bucket_names[k]
-                    bad[engine.name] = (f"checksum mismatch (worker {w}) in {len(diff)} of {report.buckets} "
-                                        f"buckets, first bucket {k}: {names[:3]}"
-                                        + (f" and {len(names) - 3} more tensors" if len(names) > 3 else ""))
-            rank += engine.workers
-        return bad
+        """One round to the fleet's sync targets (:meth:`ServerRound.run`); ``reference``: the probe
+        every engine must pass."""
+        return self.rounds.run(named_tensors, version, reference)
 
 
 def _keeping(named: NamedTensors, kept: list) -> NamedTensors:
@@ -679,8 +183,3 @@ def _keeping(named: NamedTensors, kept: list) -> NamedTensors:
     for name, tensor in named:
         kept.append((name, tensor.detach().to("cpu", copy=True)))
         yield name, tensor
-
-
-def _timed_out(failures: dict[str, str]) -> bool:
-    return bool(failures) and all("Timeout" in r or "no answer" in r or "timed out" in r.lower()
-                                  for r in failures.values())

@@ -62,7 +62,8 @@ def generate(engine: RolloutEngine, records: list[PromptRecord], r: RolloutConfi
 def reward_item(record: PromptRecord, response: str) -> RewardItem:
     """What the reward manager needs to score ``response`` to ``record``'s prompt."""
     return RewardItem(response=response, ground_truth=record.ground_truth, style=record.style,
-                      extra={"question": record.prompt_text, "data_source": record.data_source})
+                      extra={"question": record.prompt_text, "data_source": record.data_source,
+                             "extra_info": record.extra})
 
 
 def answer_text(c: Completion) -> str:

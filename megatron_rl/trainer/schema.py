@@ -5,7 +5,8 @@ the trainer, the one package that takes the whole run config.
 
     cfg = load_run_config("configs/demo_cpu.yaml", ["rollout.temperature=0.8", "trainer.run_dir=runs/x"])
 
-The string ``{run_dir}`` in any value is replaced by ``trainer.run_dir`` after merging.
+The string ``{run_dir}`` in any value is replaced by ``trainer.run_dir`` after merging, and
+``{config_dir}`` by the directory of the config file (a task's own files beside its config).
 """
 
 from __future__ import annotations
@@ -212,7 +213,8 @@ def check_model_limits(cfg: RunConfig, max_positions: int, model: str) -> None:
                                    f"max_position_embeddings ({max_positions}, {model})")
 
 
-def _substitute_run_dir(tree: dict) -> dict:
+def _substitute_run_dir(tree: dict, config_dir: str = ".") -> dict:
+    tree = substitute(tree, "{config_dir}", config_dir)
     run_dir = str((tree.get("trainer") or {}).get("run_dir", DEFAULT_RUN_DIR))
     return substitute(tree, "{run_dir}", run_dir)
 
@@ -220,4 +222,6 @@ def _substitute_run_dir(tree: dict) -> dict:
 def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None,
                     validate: bool = True) -> RunConfig:
     """The run config from ``path`` (YAML, ``defaults:`` inheritance) and ``a.b=value`` overrides."""
-    return load(RunConfig, path, overrides, validate=validate, prepare=_substitute_run_dir)
+    config_dir = str(Path(path).resolve().parent) if path else "."
+    return load(RunConfig, path, overrides, validate=validate,
+                prepare=lambda tree: _substitute_run_dir(tree, config_dir))

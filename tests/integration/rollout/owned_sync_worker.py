@@ -37,7 +37,7 @@ def _add(key: str, n: int) -> None:
 
 def instrument() -> None:
     """Count what this rank sends and receives through the calls the export and the syncs make."""
-    import megatron_rl.sync.gloo as gloo
+    import megatron_rl.sync.gloo_trainer as gloo_trainer
 
     real = {name: getattr(dist, name) for name in ("gather", "send", "isend", "recv", "irecv")}
 
@@ -63,13 +63,13 @@ def instrument() -> None:
     dist.gather = gather
     dist.send, dist.isend = sending("send"), sending("isend")
     dist.recv, dist.irecv = receiving("recv"), receiving("irecv")
-    real_bcast = gloo.broadcast
+    real_bcast = gloo_trainer.broadcast
 
     def broadcast(group, tensor):  # the trainer side only roots its own group's broadcasts
         _add("sent", _nbytes(tensor))
         return real_bcast(group, tensor)
 
-    gloo.broadcast = broadcast
+    gloo_trainer.broadcast = broadcast
 
 
 @contextlib.contextmanager

@@ -41,9 +41,10 @@ from megatron_rl.rollout.config import RolloutConfig  # noqa: E402
 from megatron_rl.rollout.fleet import EngineFleet, EngineState  # noqa: E402
 from megatron_rl.rollout.launcher import node_specs  # noqa: E402
 from megatron_rl.rollout.registry import EngineRegistry  # noqa: E402
-from megatron_rl.rollout.server import VLLMServer, server_healthy  # noqa: E402
+from megatron_rl.rollout.server import VLLMServer  # noqa: E402
+from megatron_rl.rollout.server_http import server_healthy  # noqa: E402
 from megatron_rl.sync import SyncConfig, SyncMismatch, build_weight_sync  # noqa: E402
-from megatron_rl.sync import gloo  # noqa: E402
+from megatron_rl.sync import gloo_trainer  # noqa: E402
 from megatron_rl.sync.base import UNKNOWN_VERSION, server_args  # noqa: E402
 from megatron_rl.sync.probe import ProbeReference, probe_length, probe_tokens  # noqa: E402
 from tests.procs import live_in_group, wait_groups_gone  # noqa: E402
@@ -403,7 +404,7 @@ def test_fleet_sync_names_a_bucket_corrupted_in_flight_then_recovers(fleet_env, 
     hf = fleet_env["hf"]
     fleet = _survivors(fleet_env)
     sync = _sync(fleet_env, fleet)
-    real = gloo.broadcast
+    real = gloo_trainer.broadcast
     calls = []
 
     def corrupting(group, tensor):  # the sender hashes the original; the engines get a flipped byte
@@ -414,14 +415,14 @@ def test_fleet_sync_names_a_bucket_corrupted_in_flight_then_recovers(fleet_env, 
         return real(group, tensor)
 
     try:
-        monkeypatch.setattr(gloo, "broadcast", corrupting)
+        monkeypatch.setattr(gloo_trainer, "broadcast", corrupting)
         _retrain(hf, seed=2)
         with pytest.raises(SyncMismatch, match=r"h2-0: checksum mismatch \(worker 0\) in 1 of \d+ buckets, first bucket 2"):
             sync.sync(_named(hf), version=2)
         # the engines loaded corrupted bytes: unknown version, out of service until a good sync
         assert all(e.weight_version == UNKNOWN_VERSION for e in fleet.engines)
         assert all(fleet.state(e) is EngineState.JOINING for e in fleet.engines) and not fleet.live()
-        monkeypatch.setattr(gloo, "broadcast", real)
+        monkeypatch.setattr(gloo_trainer, "broadcast", real)
         m = sync.sync(_named(hf), version=3)
         fleet_env["version"] = 3
         assert m.complete and m.engines == 2
@@ -434,14 +435,15 @@ def test_fleet_sync_names_a_bucket_corrupted_in_flight_then_recovers(fleet_env, 
 
 def _timing_down(fleet, state) -> None:
     """Record in ``state["t_down"]`` when the fleet marks an engine down (the detection itself, not
-    the end of the step that re-sends its requests, which a loaded box stretches)."""
-    real = fleet.mark_down
+    the end of the step that re-sends its requests, which a loaded box stretches): its membership's
+    ``mark_down``, which the dispatch calls."""
+    real = fleet.members.mark_down
 
     def mark_down(engine, reason):
         state.setdefault("t_down", time.monotonic())
         return real(engine, reason)
 
-    fleet.mark_down = mark_down
+    fleet.members.mark_down = mark_down
 
 
 def test_fleet_detects_a_stopped_server_within_the_timeout_and_completes(fleet_env):
@@ -474,7 +476,7 @@ def test_fleet_detects_a_stopped_server_within_the_timeout_and_completes(fleet_e
         metrics = fleet.pop_metrics()
         assert _tokens(got) == _tokens(want)
         assert fleet.state(victim) is EngineState.DOWN
-        assert f"rollout.timeout_s={timeout_s:g}" in fleet._slot(victim).reason, fleet._slot(victim).reason
+        assert f"rollout.timeout_s={timeout_s:g}" in fleet.members.slot(victim).reason, fleet.members.slot(victim).reason
         detected = state["t_down"] - state["t_stop"]
         assert detected < timeout_s + 5, (detected, timeout_s)
         assert metrics["rollout/requeued_requests"] >= 1
@@ -503,7 +505,7 @@ def test_fleet_detects_a_stopped_server_within_the_timeout_and_completes(fleet_e
         while fleet.state(victim) is not EngineState.DOWN:
             assert time.monotonic() - state["t_stop"] < timeout_s + 5, "hedging hid the stopped server"
             time.sleep(0.05)
-        assert f"rollout.timeout_s={timeout_s:g}" in fleet._slot(victim).reason, fleet._slot(victim).reason
+        assert f"rollout.timeout_s={timeout_s:g}" in fleet.members.slot(victim).reason, fleet.members.slot(victim).reason
     finally:
         servers.signal(2, signal.SIGCONT)
         fleet.close()
@@ -603,7 +605,7 @@ def test_fleet_sync_fails_a_server_whose_version_tag_did_not_take(fleet_env):
     fleet, sync = _formed(fleet_env)
     try:
         untagged = fleet.engines[1]
-        client = sync._client.clients[sync._client.engines.index(untagged)]
+        client = sync.transfer.client.clients[sync.transfer.client.engines.index(untagged)]
         real_finish = client.finish_weight_update
         client.finish_weight_update = lambda weight_version=None: real_finish(None)
         try:
@@ -866,7 +868,7 @@ def test_async_fleet_holds_what_a_server_returns_before_its_probe_passed(fleet_e
         victim.submit, victim.score = submit, stale_score
         stream.submit(prompts, spec, list(range(12)), got.update)
         deadline = time.monotonic() + 180  # (a hang guard: the sync and 184-token responses, at any load)
-        while any(slot is None for _, slot in list(fleet._requests.values())) or len(fleet._requests) < 12:
+        while any(slot is None for _, slot in list(fleet.dispatcher.requests.values())) or len(fleet.dispatcher.requests) < 12:
             assert time.monotonic() < deadline, "the requests were not all sent"
             time.sleep(0.005)
         time.sleep(0.5)  # they reach the servers, and wait there
@@ -920,14 +922,14 @@ def test_async_fleet_aborts_leftovers_on_the_servers(fleet_env):
         assert stream.in_flight() == 6
         time.sleep(0.5)  # the requests reach the servers
         stream.abort([0, 1, 2, 3])
-        assert stream.in_flight() == 2 and set(fleet._requests) == set(stream._pending.values())
+        assert stream.in_flight() == 2 and set(fleet.dispatcher.requests) == set(stream._pending.values())
         fleet.resume()
         deadline = time.monotonic() + 60
         while len(got) < 2:
             assert time.monotonic() < deadline, sorted(got)
             time.sleep(0.05)
         time.sleep(1.0)  # an aborted request that still ran would be generating now
-        assert sorted(got) == [4, 5] and stream.in_flight() == 0 and not fleet._requests
+        assert sorted(got) == [4, 5] and stream.in_flight() == 0 and not fleet.dispatcher.requests
         delivered = sum(len(c.token_ids) for k in (4, 5) for c in got[k])
         assert _server_counter(fleet, "vllm:generation_tokens_total") - tokens0 == delivered
     finally:
@@ -1419,7 +1421,7 @@ def observe_hung_control(cfg, env):
     timer = _hang(env, fleet.engines[0].name)
     try:
         fleet.reset_prefix_cache()
-        return fleet.states(), [fleet._slot(e).reason for e in fleet.engines]
+        return fleet.states(), [fleet.members.slot(e).reason for e in fleet.engines]
     finally:
         _unhang(env, timer)
         fleet.close()

@@ -38,9 +38,13 @@ import torch
 import fake_run
 from fleet_keys import FLEET_KEYS
 from megatron_rl.config.reference import leaf_keys
+from megatron_rl.envs.registry import ENVIRONMENTS
+from megatron_rl.rewards.base import REWARD_STYLES
 from megatron_rl.trainer.schema import RunConfig, load_run_config
 
-INTEGRATION_SECTIONS = ("policy.",)  # walked by tests/integration/models/test_policy_keys_act.py
+# walked by tests/integration/models/test_policy_keys_act.py and, on a real OpenEnv server,
+# tests/integration/envs/test_openenv_service.py
+INTEGRATION_SECTIONS = ("policy.", "envs.services.")
 
 
 @dataclass
@@ -280,10 +284,22 @@ REWARD_ITEMS = [
 ]
 
 
-def _reward_items():
+def _reward_items(cfg: RunConfig | None = None):
+    """The fixed items, and one per user function (reward.functions) when the config has some."""
     from megatron_rl.rewards import RewardItem
 
-    return [RewardItem(r, g, s, {"data_source": d, "question": "q"}) for r, g, s, d in REWARD_ITEMS]
+    user = [(f"{'x' * 9} {s}", "3", s, "u") for s in (cfg.reward.functions if cfg else {})]
+    return [RewardItem(r, g, s, {"data_source": d, "question": "q", "extra_info": {"w": 0.5}})
+            for r, g, s, d in REWARD_ITEMS + user]
+
+
+# A user reward function (reward.functions), written where a probe names it ({walk}/user_reward.py).
+USER_REWARD = """
+def score(response, ground_truth, extra_info):
+    print("scoring " * 40)
+    return extra_info["w"] * len(response) / 10
+"""
+USER_FN = ["reward.functions={walk_user: '{walk}/user_reward.py:score'}"]
 
 
 def observe_rewards(cfg: RunConfig, tmp: Path):
@@ -294,9 +310,14 @@ def observe_rewards(cfg: RunConfig, tmp: Path):
 
     seen = []
 
+    for target in cfg.reward.functions.values():  # the user's file, where the config names it
+        path = Path(target.rsplit(":", 1)[0])
+        if not path.exists():
+            path.write_text(USER_REWARD)
+
     class _Pool:  # the process pool at its boundary: what the manager asks of it
-        def __init__(self, n, preload=(), memory_mb=0, start_timeout_s=0.0):
-            seen.append(("pool", n, memory_mb, start_timeout_s))
+        def __init__(self, n, preload=(), memory_mb=0, start_timeout_s=0.0, setup=()):
+            seen.append(("pool", n, memory_mb, start_timeout_s, setup))
             self.restarts = 0
 
         def run(self, tasks):
@@ -316,13 +337,15 @@ def observe_rewards(cfg: RunConfig, tmp: Path):
     try:
         mgr = RewardManager(cfg.reward)
         try:
-            scores, _, details = mgr.score(_reward_items(), return_details=True)
+            scores, _, details = mgr.score(_reward_items(cfg), return_details=True)
         except Exception as exc:  # noqa: BLE001
             return f"{type(exc).__name__}: {exc}", seen
     finally:
         manager.HardTimeoutPool = real_pool
         math_verify.parse, math_verify.verify = parse, verify
-    return scores, [d["status"] for d in details], seen
+        for style in cfg.reward.functions:  # the registry as it was (the next probes' styles)
+            REWARD_STYLES.unregister(style)
+    return scores, [(d["status"], d["detail"] if d["style"] in cfg.reward.functions else "") for d in details], seen
 
 
 PROGRAM = """import os, resource, sys
@@ -447,6 +470,31 @@ def observe_cpu_placement(cfg: RunConfig, tmp: Path):
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(cfg.to_dict())], env=env,
                           capture_output=True, text=True, timeout=120)
     return proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 else proc.stderr[-300:]
+
+
+USER_ENV = """
+from megatron_rl.envs import Environment, StepResult, ToolOutput
+
+class Echo(Environment):
+    def step(self, turn):
+        if self.calls:
+            return StepResult(done=True)
+        return self.use_tool("echo", lambda: ToolOutput(turn[::-1]))
+"""
+
+
+def observe_user_env(cfg: RunConfig, tmp: Path):
+    """A whole run (``observe_run``) with the environments of envs.classes, written where the config
+    names them; the registry as it was afterwards (the next runs' environments)."""
+    for target in cfg.envs.classes.values():
+        path = Path(target.rsplit(":", 1)[0])
+        if not path.exists():
+            path.write_text(USER_ENV)
+    try:
+        return run_fake(cfg, tmp)
+    finally:
+        for name in cfg.envs.classes:
+            ENVIRONMENTS.unregister(name)
 
 
 def observe_tool_pool(cfg: RunConfig, tmp: Path):
@@ -710,6 +758,9 @@ PROBES: dict[str, Probe] = {
     "envs.tool_timeout_s": Probe("0.01", R, ENV),
     "envs.max_observation_chars": Probe("16", R, ENV),
     "envs.num_workers": Probe("1", observe_tool_pool),
+    # the data's source "walk" names the user's environment: every prompt multi-turn
+    "envs.classes": Probe("{walk: '{walk}/user_env.py:Echo'}", observe_user_env,
+                          ["stages=[{name: s1, max_response_len: 100, max_steps: 2}]"]),
     "data.env_key": Probe("data_source", D),
     # rewards
     "reward.num_workers": Probe("1", RW),
@@ -717,6 +768,10 @@ PROBES: dict[str, Probe] = {
     "reward.worker_start_timeout_s": Probe("7.0", RW),
     "reward.style_map": Probe("{mapped_source: exact_boxed}", RW),
     "reward.default_style": Probe("math", RW),
+    "reward.functions": Probe("{walk_user: '{walk}/user_reward.py:score'}", RW),
+    "reward.user.timeout_s": Probe("3.0", RW, USER_FN),
+    "reward.user.in_process": Probe("[walk_user]", RW, USER_FN),
+    "reward.user.max_output_chars": Probe("10", RW, USER_FN),
     "reward.math.timeout_s": Probe("3.0", RW),
     "reward.math.parse_timeout_s": Probe("1", RW),
     "reward.math.verify_timeout_s": Probe("2", RW),

@@ -167,7 +167,7 @@ def test_fleet_hedging_still_marks_down_an_engine_whose_requests_were_all_hedged
         while fleet.state("stop") is not EngineState.DOWN:
             assert time.monotonic() - t0 < 8.0, "the stopped engine was not marked down"
             time.sleep(0.01)
-        reason = fleet._slot("stop").reason
+        reason = fleet.members.slot("stop").reason
     finally:
         fleet.close()
     assert [[c.token_ids for c in g] for g in got] == _reference()
@@ -299,7 +299,7 @@ def test_async_fleet_stream_delivers_groups_aborts_leftovers_and_freezes_across_
             assert time.monotonic() < deadline
             time.sleep(0.01)
         time.sleep(0.4)  # an aborted request that still came back is not delivered
-        assert sorted(got) == [4, 5] and stream.in_flight() == 0 and not fleet._requests
+        assert sorted(got) == [4, 5] and stream.in_flight() == 0 and not fleet.dispatcher.requests
         ref = _reference()
         assert [[c.token_ids for c in got[k]] for k in (4, 5)] == [ref[4], ref[5]]  # prompt k: seed + k
         assert 0.2 < stream.busy_seconds() < 5
@@ -320,7 +320,7 @@ def test_async_fleet_stream_delivers_groups_aborts_leftovers_and_freezes_across_
         sched.after_sync()
         assert all(e.control == [("pause", "keep"), ("resume",)] for e in engines)
         sched.close()
-        assert sched.stream.in_flight() == 0 and not fleet._requests
+        assert sched.stream.in_flight() == 0 and not fleet.dispatcher.requests
     finally:
         fleet.close()
 
@@ -350,7 +350,7 @@ def _frozen_on_both(fleet) -> list:
     fleet.pause("keep")
     futures = [fleet.submit_threadsafe(p, SPEC.for_prompt(k)) for k, p in enumerate(PROMPTS[:4])]
     deadline = time.monotonic() + 5
-    while sum(s.outstanding for s in fleet._slots) < 8:
+    while sum(s.outstanding for s in fleet.members.slots) < 8:
         assert time.monotonic() < deadline
         time.sleep(0.005)
     return futures
@@ -399,7 +399,7 @@ def test_fleet_resends_what_a_resumed_engine_returns_when_it_is_never_verified_w
         m = fleet.pop_metrics()
         assert engines[0].calls == 2, "e0 did not return its held results before the timeout"
         assert fleet.state("e0") is EngineState.JOINING and engines[0].weight_version == UNKNOWN_VERSION
-        assert "not verified within rollout.timeout_s=0.5" in fleet._slot("e0").reason
+        assert "not verified within rollout.timeout_s=0.5" in fleet.members.slot("e0").reason
     finally:
         fleet.close()
     assert [[c.token_ids for c in g] for g in got] == _reference()[:4]
@@ -496,11 +496,11 @@ def test_fleet_hold_pauses_every_engine_a_sync_loads_so_nothing_computes_until_i
         fleet.mark_down("e2", "lost")
         fleet.hold()
         assert [e.running.is_set() for e in engines[:2]] == [False, False] and engines[2].running.is_set()
-        assert [s.paused for s in fleet._slots] == [True, True, False]
+        assert [s.paused for s in fleet.members.slots] == [True, True, False]
         fleet.hold()  # idempotent: nothing paused twice
         future = fleet.submit_threadsafe(PROMPTS[0], SPEC)
         time.sleep(0.2)
-        assert not future.done() and sum(s.outstanding for s in fleet._slots) == 2  # it waits on a paused engine
+        assert not future.done() and sum(s.outstanding for s in fleet.members.slots) == 2  # it waits on a paused engine
         for e in engines[:2]:
             fleet.resume_paused(e)
         time.sleep(0.2)
@@ -508,7 +508,7 @@ def test_fleet_hold_pauses_every_engine_a_sync_loads_so_nothing_computes_until_i
         for e in engines[:2]:
             fleet.admit(e)
         assert [c.token_ids for c in future.result(timeout=5)] == _reference()[0]
-        assert not any(s.paused for s in fleet._slots)
+        assert not any(s.paused for s in fleet.members.slots)
     finally:
         fleet.close()
 
@@ -649,7 +649,8 @@ def test_a_sync_round_that_reached_no_engine_is_loaded_again_from_the_host_copy(
 
     from megatron_rl.sync.base import SendPlan, SyncError, SyncMetrics, SyncMismatch
     from megatron_rl.sync.config import SyncConfig
-    from megatron_rl.sync.vllm_protocol import ServerTransport, ServerWeightSync
+    from megatron_rl.sync.server_transport import ServerTransport
+    from megatron_rl.sync.vllm_protocol import ServerWeightSync
 
     engines = [Lost("e0"), Lost("e1")]
     fleet = EngineFleet(engines, RolloutConfig(engine="vllm_server", num_engines=2, start_timeout_s=5.0, hedge_after=0.0))

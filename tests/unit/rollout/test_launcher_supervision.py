@@ -15,7 +15,7 @@ import time
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.launcher import EngineLauncher, ServerSpec
 from megatron_rl.rollout.registry import EngineRegistry
-from megatron_rl.rollout.server import server_healthy
+from megatron_rl.rollout.server_http import server_healthy
 from tests.procs import live_in_group, wait_groups_gone
 
 

@@ -21,7 +21,8 @@ from megatron_rl.demo.tiny import build_char_tokenizer
 from megatron_rl.envs import Environments, EnvConfig, Environment, StepResult, register_env
 from megatron_rl.envs.registry import ENVIRONMENTS
 from megatron_rl.rollout import Completion, RolloutEngine, SamplingSpec
-from megatron_rl.rollout.multi_turn import MultiTurnStream, generate, turn_seed
+from megatron_rl.rollout.multi_turn import MultiTurnStream, generate
+from megatron_rl.rollout.trajectory import turn_seed
 from megatron_rl.rollout.streaming import BackgroundGenerate, GroupStream
 
 TOK = build_char_tokenizer()

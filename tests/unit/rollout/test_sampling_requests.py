@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_rl.rollout.base import SamplingSpec
-from megatron_rl.rollout.server import generate_body
+from megatron_rl.rollout.server_wire import generate_body
 
 
 def test_min_tokens_reaches_the_server_request():
@@ -34,7 +34,7 @@ def test_a_handle_with_the_tokenizer_asks_for_tokens_and_decodes_as_vllm():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from megatron_rl.rollout.server import completion_text
+    from megatron_rl.rollout.server_wire import completion_text
 
     body = generate_body([1, 2], SamplingSpec(n=2), text=False)
     assert body["output_mode"] == "tokens" and body["sampling_params"]["detokenize"] is False

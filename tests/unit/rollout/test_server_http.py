@@ -10,7 +10,8 @@ import pytest
 
 from megatron_rl.rollout.base import EngineDied
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.server import KEEPALIVE_S, VLLMServer
+from megatron_rl.rollout.server import VLLMServer
+from megatron_rl.rollout.server_http import KEEPALIVE_S
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 
@@ -148,7 +149,8 @@ def test_generation_client_parses_answers_and_names_failures():
     import asyncio
 
     from megatron_rl.rollout.base import EngineError, EngineTimeout, SamplingSpec
-    from megatron_rl.rollout.server import GENERATE, RequestRejected
+    from megatron_rl.rollout.server_http import RequestRejected
+    from megatron_rl.rollout.server_wire import GENERATE
 
     spec = SamplingSpec(n=3, temperature=1.0, max_tokens=2, seed=7)
     ok = Generates()

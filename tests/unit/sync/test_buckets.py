@@ -118,10 +118,10 @@ def test_host_digest_changes_with_any_byte_and_with_two_words_swapped():
     when any single byte changes or any two 8-byte words trade places."""
     import xxhash
 
-    from megatron_rl.sync import gloo
+    from megatron_rl.sync import gloo_wire
     from megatron_rl.sync.buckets import host_digest
 
-    assert gloo.BUCKET_HASH is host_digest  # the one definition both ends of the transport use
+    assert gloo_wire.BUCKET_HASH is host_digest  # the one definition both ends of the transport use
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (8 * 96 + 5,), dtype=torch.uint8, generator=g)  # whole words and a tail
     base = host_digest(data)

@@ -22,7 +22,8 @@ from megatron_rl.rollout import Completion, RolloutEngine
 from megatron_rl.rollout.config import AsyncConfig, RolloutConfig
 from megatron_rl.rollout.streaming import GroupStream
 from megatron_rl.trainer import phases
-from megatron_rl.trainer.async_rollout import RolloutScheduler, merge_reward_metrics, staleness_advice
+from megatron_rl.trainer.async_rollout import RolloutScheduler, staleness_advice
+from megatron_rl.trainer.rollout_metrics import merge_reward_metrics
 from megatron_rl.trainer.config import TrainerConfig
 from megatron_rl.trainer.schema import RunConfig
 
@@ -356,7 +357,7 @@ def test_async_config_refuses_what_it_cannot_do():
 
 
 def test_a_partial_sample_and_its_continuation_join_end_to_end_with_each_tokens_version():
-    from megatron_rl.trainer.async_rollout import join_completions
+    from megatron_rl.trainer.rollout_group import join_completions
 
     part = Completion(token_ids=[5, 6, 7], logprobs=[-0.1, -0.2, -0.3], text="abc", finish_reason="abort",
                       truncated=False, weight_version=3, engine="e0")
@@ -381,7 +382,8 @@ def test_routing_replay_a_continued_sample_keeps_each_rows_first_computation():
     recomputed the part's positions: those rows are not taken)."""
     import numpy as np
 
-    from megatron_rl.trainer.async_rollout import _completion_dict, _completion_from_dict, join_completions
+    from megatron_rl.trainer.rollout_group import join_completions
+    from megatron_rl.trainer.rollout_state import completion_dict, completion_from_dict
 
     prompt = 4
     part_rows = np.full((prompt + 3 - 1, 2, 2), 1, np.uint8)
@@ -397,7 +399,7 @@ def test_routing_replay_a_continued_sample_keeps_each_rows_first_computation():
     assert (join_completions(Completion(**{**part.__dict__, "routes": None}), rest).routes == rest_rows).all()
     assert join_completions(part, Completion(**{**rest.__dict__, "routes": None})).routes is None
     # a checkpointed group keeps its routes (weights-only state)
-    back = _completion_from_dict(_completion_dict(part))
+    back = completion_from_dict(completion_dict(part))
     assert back.routes.dtype == np.uint8 and (back.routes == part_rows).all()
 
 

@@ -144,7 +144,7 @@ def test_a_written_checkpoint_lists_every_file_and_any_changed_byte_is_found(tmp
 
     import torch
 
-    from megatron_rl.trainer.async_rollout import STATE_FILE as ROLLOUTS_FILE
+    from megatron_rl.trainer.rollout_state import STATE_FILE as ROLLOUTS_FILE
     from megatron_rl.trainer.checkpointing import MONITOR_FILE, write_checkpoint
 
     def save_policy(path):
