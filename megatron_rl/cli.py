@@ -24,10 +24,11 @@ DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo_cpu.yam
 
 def _setup_logging() -> None:
     """Our lines on the console (rank 0; warnings only elsewhere), libraries' INFO off it."""
+    from megatron_rl.common.launch_env import rank_hint
     from megatron_rl.tracking.logs import quiet_vllm_console, set_console_verbose
 
     quiet_vllm_console()  # before anything imports vLLM
-    rank = int(os.environ.get("RANK", "0"))
+    rank = rank_hint()  # (checked in _train, before the world starts)
     try:
         from rich.logging import RichHandler
 
@@ -52,6 +53,11 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
            verbose: bool = False) -> int:
     """The entry point of a run: config, CPU shim and Megatron fixes, process groups, the demo's
     inputs, the trainer's parts, signal handlers, then the stages."""
+    from megatron_rl.tracking.logs import hold_early_records, quiet_native_console
+
+    quiet_native_console(verbose)  # before anything imports torch: its C++ warnings off the console
+    hold_early_records()  # libraries' import-time warnings (Megatron's TE / Apex fallback) go to run.log
+    from megatron_rl.common.launch_env import read_launch_env
     from megatron_rl.compat import apply_compat
     from megatron_rl.config.base import make_dir
     from megatron_rl.demo import prepare_inputs
@@ -62,6 +68,7 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
     from megatron_rl.trainer.schema import check_world_size, load_run_config
     from megatron_rl.trainer.stop import StopRequest
 
+    launch = read_launch_env()  # torchrun's variables, the whole contract, before anything is read or made
     if run_dir is not None:  # ``--run-dir ''`` is refused by the config's check, never ignored
         overrides = [*overrides, f"trainer.run_dir={json.dumps(run_dir)}"]  # a YAML string, always
     if verbose:
@@ -70,14 +77,14 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
     if stage:
         cfg.stage(stage)  # fail fast on an unknown stage, before anything is built
     # the number of trainer processes (torchrun's) against the layout and the engine, before the world starts
-    check_world_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    check_world_size(cfg, launch.world_size)
     if nothing_left(cfg, stage):
         logging.getLogger("megatron_rl").info("%s: %s already finished; nothing to do", cfg.trainer.run_dir,
                                               f"stage {stage}" if stage else "every stage")
         return 0
     make_dir(cfg.trainer.run_dir, "trainer.run_dir", "the run directory")  # before the world starts
     if cfg.trainer.cpu_cores:  # before any thread starts: every one inherits the trainer's cores
-        place_cpus(cfg)
+        place_cpus(cfg, launch.world_size)
     apply_compat()  # the one call: the CPU shim (a no-op with CUDA) and the Megatron fixes
     groups = init_distributed(cfg.policy.parallel, seed=cfg.policy.seed)
     logs = route_logs(cfg.trainer.run_dir, verbose=cfg.tracking.console_libraries, rank=groups.rank)
@@ -98,12 +105,12 @@ def _train(config: str, run_dir: str | None, stage: str | None, overrides: list[
     return code
 
 
-def place_cpus(cfg) -> None:
+def place_cpus(cfg, world_size: int = 1) -> None:
     """``trainer.cpu_cores``: this (single) trainer process on its cores, its helpers and servers on the
     others (``common/cpus.py``); a core it may not use, or several ranks, is a config error."""
     from megatron_rl.common.cpus import place_trainer
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if world_size > 1:
         cfg.trainer.fail("cpu_cores", "pins one trainer process to its cores; a run of several ranks "
                          "(torchrun) would pin them all to the same ones")
     try:

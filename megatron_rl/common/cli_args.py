@@ -18,6 +18,7 @@ import sys
 from typing import Callable
 
 from megatron_rl.common.errors import InputError
+from megatron_rl.common.launch_env import rank_hint
 
 PROGRAM = "megatron-rl"
 # The exit status of an input error (argparse's, too).
@@ -43,7 +44,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def report(exc: BaseException) -> None:
     """Print ``exc`` as the one line of an input error (stderr)."""
-    rank = int(os.environ.get("RANK", "0"))
+    rank = rank_hint()  # (a RANK that is no number is itself reported here)
     print(f"{PROGRAM}: {'' if rank == 0 else f'(rank {rank}) '}{exc}", file=sys.stderr)
 
 

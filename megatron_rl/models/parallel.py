@@ -11,11 +11,11 @@ The entry point applies the CPU shim (without CUDA) and the Megatron fixes first
 (``megatron_rl.compat.apply_compat()``, one explicit call); :func:`init_distributed` refuses to start
 if it was not made, and uses gloo when the shim is active.
 
-Works under torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` in the environment) and in a plain
-process (a one-rank world on a private file store). Calling it again with another layout destroys the
-old layout's process groups (every group Megatron made: megatron-core 0.16.1's own
-``destroy_model_parallel`` only drops its handles to most of them, and each gloo group keeps its
-threads) and builds new ones (so a test can build several policies in one process); a
+Works under torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` in the environment, checked whole
+first: ``common/launch_env.py``) and in a plain process (a one-rank world on a private file store).
+Calling it again with another layout destroys the old layout's process groups (every group Megatron
+made: megatron-core 0.16.1's own ``destroy_model_parallel`` only drops its handles to most of them,
+and each gloo group keeps its threads) and builds new ones (so a test can build several policies in one process); a
 :class:`ParallelGroups` from before then reports itself stale.
 """
 
@@ -31,6 +31,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from megatron_rl.common.launch_env import LaunchEnv, check_device, meeting_failed, read_launch_env
 from megatron_rl.compat import compat_applied, cpu_shim_active, megatron_cpu_scope
 from megatron_rl.config.base import ConfigError
 from megatron_rl.models.config import ParallelConfig
@@ -219,18 +220,20 @@ def _check_expert_layout(cfg: ParallelConfig, world_size: int, shape: ModelShape
                  f"refuses to train without it)")
 
 
-def _world_from_env() -> tuple[int, int]:
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _start_world(backend: str, timeout: datetime.timedelta) -> None:
-    rank, world = _world_from_env()
-    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+def _start_world(env: LaunchEnv, shim: bool, timeout: datetime.timedelta) -> None:
+    """Join the world ``env`` (checked) describes (gloo under the CPU shim, else NCCL on the GPU of
+    LOCAL_RANK): at MASTER_ADDR:MASTER_PORT, or a one-rank world on a private file store. torch's
+    rendezvous failures become one line (:func:`meeting_failed`)."""
+    backend = "gloo" if shim else "nccl"
+    if not shim:
+        check_device(env.local_rank, torch.cuda.device_count())
+        torch.cuda.set_device(env.local_rank)
+    if env.rendezvous:
+        try:
+            dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        except (dist.DistNetworkError, dist.DistStoreError) as exc:
+            raise meeting_failed(env, exc, timeout.total_seconds()) from None
         return
-    if world != 1:
-        raise RuntimeError(f"WORLD_SIZE={world} but MASTER_ADDR/MASTER_PORT are not set: launch "
-                           f"with torchrun")
     fd, path = tempfile.mkstemp(prefix="megatron_rl_store_")
     os.close(fd)
     os.unlink(path)  # FileStore creates it; the one-rank world needs no rendezvous address
@@ -254,18 +257,12 @@ def init_distributed(cfg: ParallelConfig, timeout_s: float | None = None,
         raise RuntimeError("the compatibility fixes are not applied: call "
                            "megatron_rl.compat.apply_compat() once at the entry point, before "
                            "init_distributed")
-    backend = "gloo" if shim else "nccl"
-    world_rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() \
-        else _world_from_env()
+    env = None if dist.is_initialized() else read_launch_env()  # the whole launch contract, checked
+    world_size = dist.get_world_size() if env is None else env.world_size
     dp = check_layout(cfg, world_size, shape)  # before any group or model exists
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if not dist.is_initialized():
-        if not shim:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        _start_world(backend, timeout)
-        world_rank = dist.get_rank()
-    else:
-        backend = dist.get_backend()
+    if env is not None:
+        _start_world(env, shim, datetime.timedelta(seconds=timeout_s))
+    world_rank, backend = dist.get_rank(), dist.get_backend()
 
     layout = (cfg.tensor_parallel, cfg.pipeline_parallel, cfg.virtual_pipeline,
               cfg.context_parallel, cfg.expert_parallel, cfg.expert_tensor_parallel)

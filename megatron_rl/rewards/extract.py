@@ -5,18 +5,20 @@ process (``exact_boxed``, ``boxed_final``, the judge's prompt) with no timeout, 
 response (a megabyte of ``\\boxedx``, of ``{``, of spaces after "answer is") must cost what reading
 it costs. The scans are single regular-expression passes whose patterns cannot backtrack more than
 a constant per character; the only Python-level loop (brace matching) stops after
-``MAX_BOXED_CHARS`` characters. Readable character-by-character references of the same rules are in
+``MAX_BOXED_BRACES`` braces. Readable character-by-character references of the same rules are in
 ``tests/unit/rewards/test_extract_linear.py``, which checks both agreement and linear cost.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import re
 
-#: A ``\\boxed{`` whose closing brace does not come within this many characters counts as unclosed
-#: (no answer): a final answer is short, and this bounds the one Python-level loop here.
-MAX_BOXED_CHARS = 10_000
+#: A ``\\boxed{`` whose closing brace does not come within this many braces counts as unclosed (no
+#: answer); this bounds the one Python-level loop here. The box's length itself is not bounded: a
+#: boxed number of a million digits is an answer, judged by its value (``rewards/numbers.py``).
+MAX_BOXED_BRACES = 10_000
 
 THINK_END = "</think>"
 
@@ -47,8 +49,8 @@ def _last(it):
 def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces kept), or ``None``.
 
-    ``\\boxed 5`` (no braces) yields the next token. An unclosed box (or one longer than
-    ``MAX_BOXED_CHARS``) yields ``None``: the response was probably truncated.
+    ``\\boxed 5`` (no braces) yields the next token. An unclosed box (or one holding more than
+    ``MAX_BOXED_BRACES`` braces) yields ``None``: the response was probably truncated.
     """
     m = _last(_BOX.finditer(text))
     if m is None:
@@ -57,7 +59,7 @@ def last_boxed(text: str) -> str | None:
     if m.group(1) is None:  # "\boxed 5": the next token
         return _TOKEN.search(text, start).group().rstrip("$.")
     depth = 1
-    for b in _BRACE.finditer(text, start, start + MAX_BOXED_CHARS):
+    for b in itertools.islice(_BRACE.finditer(text, start), MAX_BOXED_BRACES):
         depth += 1 if b.group() == "{" else -1
         if depth == 0:
             return text[start:b.start()]

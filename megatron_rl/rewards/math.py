@@ -27,12 +27,15 @@ from itertools import product
 from megatron_rl.rewards.base import (CORRECT, TIMEOUT, UNPARSABLE, WRONG, Outcome, RewardItem,
                                       register_reward)
 from megatron_rl.rewards.extract import extract_answer, final_part, last_boxed, normalize_ws
+from megatron_rl.rewards.numbers import equals_approximation, equals_rational, numbers_equal, parse_number
 
 _PLAIN_NUMBER = re.compile(r"^[+-]?(\d+)(?:\.(\d+))?$")
 _THOUSANDS = re.compile(r"^[+-]?\d{1,3}(,\d{3})+(\.\d+)?$")
 _PERCENT = re.compile(r"(\\?%|\\text\{\s*percent\s*\}|percent)$")
 _PI_WORDS = ("圆周率",)
 _PI = 3.141592653589793
+# Digits to which an irrational constant is evaluated against a large written number, at most.
+MAX_EVAL_DIGITS = 10_000
 
 
 @register_reward("exact_boxed")
@@ -183,6 +186,9 @@ def _check_one(gold: str, answer: str, mcfg) -> Outcome:
     fast = _plain_numbers_verdict(gold, answer)
     if fast is not None:
         return Outcome(1.0 if fast else 0.0, CORRECT if fast else WRONG, answer)
+    large = _large_number_verdict(gold, answer, mcfg)
+    if large is not None:
+        return Outcome(1.0 if large else 0.0, CORRECT if large else WRONG, answer, "large number")
     gold_parsed = parse(_latex(gold), parsing_timeout=mcfg.parse_timeout_s)
     pred_parsed = parse(_latex(answer), parsing_timeout=mcfg.parse_timeout_s)
     if not pred_parsed:
@@ -199,6 +205,38 @@ def _check_one(gold: str, answer: str, mcfg) -> Outcome:
     if verdict is None:
         return Outcome(0.0, TIMEOUT, answer, "math-verify comparison timed out")
     return Outcome(0.0, WRONG, answer)
+
+
+def _large_number_verdict(gold: str, answer: str, mcfg) -> bool | None:
+    """A side that is a large written number (``rewards/numbers.py``), which math-verify cannot be
+    trusted with, is judged by value here: against the other side's number, or against the value of
+    its expression (parsed by math-verify: the gold is a dataset's short answer). ``None``: no large
+    number, math-verify judges."""
+    g, p = parse_number(gold), parse_number(answer)
+    if not ((g is not None and g.large) or (p is not None and p.large)):
+        return None
+    if g is not None and p is not None:
+        return numbers_equal(g, p)
+    from math_verify import parse
+
+    number, other = (g, answer) if p is None else (p, gold)
+    return any(_equals_expression(number, e) for e in parse(_latex(other), parsing_timeout=mcfg.parse_timeout_s))
+
+
+def _equals_expression(number, expr) -> bool:
+    """A large written number against a parsed expression: equal only to a constant of the same
+    value (an exact rational, or an irrational one the number rounds as at 6 decimals)."""
+    import sympy
+
+    if not isinstance(expr, sympy.Expr) or not expr.is_number or expr.is_real is not True:
+        return False  # a set, an equation, a symbol, a complex number, text: no real number equals it
+    if expr.is_rational:  # math-verify keeps 2^{13000} unevaluated: its value is the dataset's own size
+        value = sympy.Rational(expr.doit())
+        return bool(equals_rational(number, int(value.p), int(value.q)))
+    digits = max((number.num.magnitude - number.den.magnitude) + 20 if number.num.digits else 0, 20)
+    if digits > MAX_EVAL_DIGITS:
+        return False  # an irrational constant with so many integer digits is no dataset's answer
+    return equals_approximation(number, format(Decimal(str(sympy.N(expr, digits))), "f"))
 
 
 def _verify(gold_parsed, pred_parsed, timeout_s: int) -> bool | None:

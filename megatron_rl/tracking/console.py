@@ -1,12 +1,14 @@
 """Console output: a progress bar per stage (on a terminal) and one summary line per step.
 
 The bar and the log lines share rich's console, so log lines print above the bar. Off a terminal
-(CI, Slurm logs) there is no bar, only the lines.
+(CI, Slurm logs) there is no bar, only the lines (with the stage's ETA).
 """
 
 from __future__ import annotations
 
 import logging
+
+from megatron_rl.tracking.progress import Phase
 
 log = logging.getLogger("megatron_rl")
 
@@ -22,39 +24,24 @@ def step_line(metrics: dict) -> str:
 
 
 class StageProgress:
-    """``with StageProgress(name, total, done) as p: ... p.advance(metrics)``."""
+    """``with StageProgress(name, total, done) as p: ... p.advance(step, metrics)``: a stage's bar with
+    its ETA on a terminal (``tracking/progress.py``), and one line per step (with the ETA off a terminal)."""
 
     def __init__(self, name: str, total: int, done: int = 0, enabled: bool = True):
         self.name, self.total, self.done = name, total, done
-        self._progress = None
-        self._task = None
-        if enabled:
-            try:
-                from rich.console import Console
-                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-                console = Console()
-                if console.is_terminal:
-                    self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                                              MofNCompleteColumn(), TimeRemainingColumn(),
-                                              TextColumn("{task.fields[acc]}"), console=console, transient=True)
-            except ImportError:  # pragma: no cover
-                self._progress = None
+        self._phase = Phase(name, total=total, done=done, unit="steps", enabled=enabled, lines=False)
 
     def __enter__(self):
-        if self._progress is not None:
-            self._progress.start()
-            self._task = self._progress.add_task(self.name, total=self.total, completed=self.done, acc="")
+        self._phase.__enter__()
         return self
 
     def advance(self, step: int, metrics: dict, note: str = "") -> None:
         """Log the step's line; ``note`` (e.g. why there was no update) ends it."""
-        line = " ".join(part for part in (step_line(metrics), note) if part)
+        acc = metrics.get("rollout/accuracy")
+        self._phase.update(step, info="" if acc is None else f"acc {acc:.3f}")
+        eta = "" if self._phase.on_terminal or step >= self.total else self._phase.eta_words()
+        line = " ".join(part for part in (step_line(metrics), note, f"({eta})" if eta else "") if part)
         log.info("[%s %d/%d] %s", self.name, step, self.total, line)
-        if self._progress is not None:
-            acc = metrics.get("rollout/accuracy")
-            self._progress.update(self._task, completed=step, acc="" if acc is None else f"acc {acc:.3f}")
 
     def __exit__(self, *exc):
-        if self._progress is not None:
-            self._progress.stop()
+        self._phase.__exit__(*exc)

@@ -11,6 +11,7 @@ import torch
 from megatron_rl.data import PromptRecord
 from megatron_rl.envs.metrics import episode_metrics
 from megatron_rl.rollout import SamplingSpec
+from megatron_rl.tracking.progress import Phase
 from megatron_rl.trainer.context import Context
 from megatron_rl.trainer.phases import answer_text, reward_item
 
@@ -62,7 +63,9 @@ def probe_reference(ctx: Context):
 def record_eval(ctx: Context, key: str, max_tokens: int) -> dict:
     """:func:`evaluate`, kept in the run state under ``key`` (``start``, a stage's name), every
     answer in ``RUN_DIR/eval/<key>.jsonl``."""
-    m = evaluate(ctx, max_tokens, answers=ctx.run.root / "eval" / f"{key}.jsonl")
+    with Phase(f"evaluation [{key}]", kind="eval", work=len(ctx.eval_records),
+               enabled=ctx.is_driver and ctx.cfg.tracking.console):
+        m = evaluate(ctx, max_tokens, answers=ctx.run.root / "eval" / f"{key}.jsonl")
     if ctx.is_driver and m:
         rs = ctx.run.read_run_state()
         rs.setdefault("eval", {})[key] = m

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
+from megatron_rl.tracking.progress import Phase
 from megatron_rl.trainer.context import Context
 from megatron_rl.trainer.evaluate import record_eval
 from megatron_rl.trainer.grpo import train_stage
@@ -105,7 +106,8 @@ def write_summary(ctx: Context) -> dict:
         }
     (ctx.run.root / "summary.json").write_text(json.dumps(summary, indent=1))
     try:
-        facts = analyze(ctx.run.root)
+        with Phase("run report", enabled=ctx.cfg.tracking.console):
+            facts = analyze(ctx.run.root)
         log.info("run report: %s", facts["report"])
     except Exception:  # the run's results stand; `megatron-rl analyze RUN_DIR` can retry
         log.exception("writing the run report failed")

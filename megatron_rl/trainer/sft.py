@@ -14,6 +14,7 @@ import logging
 import time
 
 from megatron_rl.data import PromptLoader
+from megatron_rl.tracking.progress import Phase
 from megatron_rl.trainer import phases
 from megatron_rl.trainer.checkpointing import write_checkpoint
 from megatron_rl.trainer.context import Context
@@ -77,32 +78,36 @@ def sft_loop(ctx: Context, name: str, *, lr: float, stop_accuracy: float, max_se
     ctx.policy.set_lr(lr)
     state = TrainerState(stage=name)
     t0 = time.perf_counter()
-    for step in itertools.count(1) if max_steps is None else range(1, max_steps + 1):
-        if ctx.stop_agreed():  # a signal: leave; SFT restarts from its start when the job is requeued
-            return None, lr
-        batch = ctx.broadcast(phases.sft_batch(loader.next_batch(), ctx.tokenizer) if ctx.is_driver else None)
-        loss_fn = with_nll(phases.make_loss_fn(batch, phases.sft_objective(cfg.algo), alpha=0.0,
-                                               max_response_len=None), batch)
-        m = ctx.policy.train_step(batch, loss_fn, temperature=1.0, with_entropy=True)
-        state.step = state.global_step = step
-        done = bool(max_seconds) and ctx.broadcast(time.perf_counter() - t0 > max_seconds)
-        if step % s.eval_every == 0 or done or step == max_steps:
-            state.weight_version += 1
-            sync_weights(ctx, state.weight_version)
-            m.update(evaluate(ctx, cfg.stages[0].max_response_len, records=val, prefix=f"{name}_val"))
-            acc = ctx.broadcast(m.get(f"{name}_val/accuracy", 0.0))
-            if slow_down and acc >= s.slow_down_at and lr == s.lr:
-                lr = s.lr * s.slow_down_factor
-                ctx.policy.set_lr(lr)
-            done = done or acc >= stop_accuracy
-        if ctx.is_driver:
-            ctx.tracker.log({**m, f"{name}/lr": lr, f"{name}/seconds": time.perf_counter() - t0},
-                            step=step_offset + step, stage=name)
-            if f"{name}_val/accuracy" in m:
-                log.info("[%s %d] nll=%.4f val_acc=%.3f lr=%.2g", name, step, m.get("sft/nll", float("nan")),
-                         m[f"{name}_val/accuracy"], lr)
-        if done:
-            break
+    with Phase(f"{name} (until val acc {stop_accuracy:g})" if stop_accuracy <= 1 else name, total=max_steps,
+               unit="steps", at_most=True, max_seconds=max_seconds,
+               enabled=ctx.is_driver and cfg.tracking.console) as bar:
+        for step in itertools.count(1) if max_steps is None else range(1, max_steps + 1):
+            if ctx.stop_agreed():  # a signal: leave; SFT restarts from its start when the job is requeued
+                return None, lr
+            batch = ctx.broadcast(phases.sft_batch(loader.next_batch(), ctx.tokenizer) if ctx.is_driver else None)
+            loss_fn = with_nll(phases.make_loss_fn(batch, phases.sft_objective(cfg.algo), alpha=0.0,
+                                                   max_response_len=None), batch)
+            m = ctx.policy.train_step(batch, loss_fn, temperature=1.0, with_entropy=True)
+            state.step = state.global_step = step
+            bar.update(step)
+            done = bool(max_seconds) and ctx.broadcast(time.perf_counter() - t0 > max_seconds)
+            if step % s.eval_every == 0 or done or step == max_steps:
+                state.weight_version += 1
+                sync_weights(ctx, state.weight_version)
+                m.update(evaluate(ctx, cfg.stages[0].max_response_len, records=val, prefix=f"{name}_val"))
+                acc = ctx.broadcast(m.get(f"{name}_val/accuracy", 0.0))
+                if slow_down and acc >= s.slow_down_at and lr == s.lr:
+                    lr = s.lr * s.slow_down_factor
+                    ctx.policy.set_lr(lr)
+                done = done or acc >= stop_accuracy
+            if ctx.is_driver:
+                ctx.tracker.log({**m, f"{name}/lr": lr, f"{name}/seconds": time.perf_counter() - t0},
+                                step=step_offset + step, stage=name)
+                if f"{name}_val/accuracy" in m:
+                    log.info("[%s %d] nll=%.4f val_acc=%.3f lr=%.2g", name, step, m.get("sft/nll", float("nan")),
+                             m[f"{name}_val/accuracy"], lr)
+            if done:
+                break
     return state, lr
 
 

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_rl.rewards import RewardConfig, RewardItem, get_style, registered_styles
 from megatron_rl.rewards.code import extract_code
-from megatron_rl.rewards.extract import (MAX_BOXED_CHARS, answer_phrase, extract_answer, last_boxed,
+from megatron_rl.rewards.extract import (MAX_BOXED_BRACES, answer_phrase, extract_answer, last_boxed,
                                          last_number)
 from megatron_rl.rewards.judge import judge_messages, parse_verdict
 
@@ -30,8 +30,12 @@ def ref_last_boxed(text: str) -> str | None:
     for i, op in reversed(starts):
         j = i + len(op)
         if j < len(text) and text[j] == "{":
-            depth = 0
-            for k in range(j, min(len(text), j + 1 + MAX_BOXED_CHARS)):
+            depth, braces = 0, -1  # (the opening brace is not counted)
+            for k in range(j, len(text)):
+                if text[k] in "{}":
+                    braces += 1
+                    if braces > MAX_BOXED_BRACES:
+                        return None
                 depth += {"{": 1, "}": -1}.get(text[k], 0)
                 if depth == 0:
                     return text[j + 1:k]
@@ -114,9 +118,16 @@ def test_answer_phrase_examples(text, want):
     assert answer_phrase(text) == want == ref_answer_phrase(text)
 
 
-def test_a_box_longer_than_the_bound_is_no_answer():
-    assert last_boxed("\\boxed{" + "1" * (MAX_BOXED_CHARS - 1) + "}") == "1" * (MAX_BOXED_CHARS - 1)
-    assert last_boxed("\\boxed{" + "1" * MAX_BOXED_CHARS + "}") is None
+def test_a_box_with_more_braces_than_the_bound_is_no_answer():
+    inner = "{}" * ((MAX_BOXED_BRACES - 1) // 2)  # with the closing brace: MAX_BOXED_BRACES braces
+    assert last_boxed("\\boxed{" + inner + "}") == inner == ref_last_boxed("\\boxed{" + inner + "}")
+    assert last_boxed("\\boxed{" + inner + "{}}") is None is ref_last_boxed("\\boxed{" + inner + "{}}")
+
+
+def test_a_long_box_without_braces_is_an_answer():
+    """A boxed number of a million digits is an answer (its value is judged: rewards/numbers.py)."""
+    digits = "7" * 1_000_000
+    assert last_boxed("so \\boxed{" + digits + "}.") == digits
 
 
 # ---- cost: linear on degenerate inputs of several shapes ---------------------------------------

@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from megatron_rl.tracking.logs import ConsoleFilter, hidden_warnings, route_logs, set_console_verbose
+from megatron_rl.tracking.logs import (ConsoleFilter, EarlyRecords, hidden_warnings, hold_early_records, route_logs,
+                                      set_console_verbose)
 
 
 def _drop_console_filters() -> None:
@@ -74,3 +75,70 @@ def test_verbose_brings_the_libraries_back(tmp_path, console):
     logging.getLogger("vllm").info("second chatter")
     assert "second chatter" not in console.getvalue()
     assert route_logs(tmp_path, rank=3).name == "run.rank3.log"
+
+
+def test_warnings_before_the_run_dir_exists_go_to_the_run_log(tmp_path, console):
+    """Megatron-Core warns at its import ("Transformer Engine and Apex are not installed"), before the
+    run directory exists: held, off the console, counted, then written into run.log."""
+    import warnings
+
+    logging.getLogger().setLevel(logging.INFO)  # (the entry point's level)
+    set_console_verbose(False)
+    hold_early_records()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.")
+    logging.getLogger("megatron_rl").info("our own early line")
+    assert "Transformer Engine" not in console.getvalue() and "our own early line" in console.getvalue()
+    path = route_logs(tmp_path)
+    text = path.read_text()
+    assert "Transformer Engine and Apex are not installed" in text and "our own early line" in text
+    assert hidden_warnings() == 1
+    assert not any(isinstance(h, EarlyRecords) for h in logging.getLogger().handlers)
+
+
+def test_the_real_entry_point_keeps_the_console_clean(tmp_path):
+    """``megatron-rl demo`` for real, up to the first check after the world started (a model directory
+    that does not exist): Megatron-Core is imported and the process group built, then the run stops
+    with its one line. No line on the console says error, deprecated or warning (Megatron's "Transformer
+    Engine and Apex are not installed" fallbacks on a machine without them are in run.log); then the
+    call with which vLLM's CPU worker binds its memory, which makes torch print a C++ "Warning: NUMA
+    binding ...", in a process set up the same way."""
+    import importlib.util
+    import os
+    import re
+    import subprocess
+    import sys
+
+    # (scripts/test.sh ignores Python warnings; the entry point sets the C++ level itself)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "TORCH_CPP_LOG_LEVEL")}
+    run = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "demo", "--run-dir", str(tmp_path / "run"),
+                          f"model.path={tmp_path / 'no_model'}"], capture_output=True, text=True, timeout=600, env=env)
+    shown = run.stdout + run.stderr
+    assert run.returncode == 2 and "no Hugging Face model at" in run.stderr, shown[-3000:]
+    assert not re.search(r"error|deprecat|warn", shown, re.I), shown[-3000:]
+    if importlib.util.find_spec("transformer_engine") is None and importlib.util.find_spec("apex") is None:
+        assert "Transformer Engine and Apex are not installed" in (tmp_path / "run" / "logs" / "run.log").read_text()
+    numa = ("from megatron_rl.tracking.logs import quiet_native_console; quiet_native_console(); import torch\n"
+            "try:\n    import vllm._C; torch.ops._C.init_cpu_memory_env([0])\n"
+            "except (ImportError, AttributeError, RuntimeError): pass\nprint('bound')")
+    bound = subprocess.run([sys.executable, "-c", numa], capture_output=True, text=True, timeout=600, env=env)
+    assert bound.returncode == 0 and not re.search(r"warn", bound.stdout + bound.stderr, re.I), bound.stderr[-2000:]
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_run_sets_the_cpp_warning_level_before_torch(monkeypatch, tmp_path, capsys, verbose):
+    """``train`` / ``demo`` hold torch's C++ warnings (which the process above shows on the console)
+    below ERROR from their first line, unless ``--verbose``; a level the user set stays."""
+    import os
+
+    from megatron_rl.cli import main
+
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "two")  # stops the run at its first check, before anything is made
+    assert main(["demo", "--run-dir", str(tmp_path / "run"), *(["--verbose"] if verbose else [])]) == 2
+    assert os.environ.get("TORCH_CPP_LOG_LEVEL") == (None if verbose else "ERROR")
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "INFO")
+    main(["demo", "--run-dir", str(tmp_path / "run")])
+    assert os.environ["TORCH_CPP_LOG_LEVEL"] == "INFO"
+    capsys.readouterr()

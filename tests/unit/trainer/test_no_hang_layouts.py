@@ -59,6 +59,8 @@ def test_no_hang_the_demo_under_torchrun_says_why_in_one_line(capsys, monkeypatc
     environment, in process): one line, exit 2, before the world or any model starts."""
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # (torchrun sets them too; nothing listens: refused before)
+    monkeypatch.setenv("MASTER_PORT", "29500")
     code = main(["demo", "--run-dir", str(tmp_path / "run"), *extra])
     out, err = capsys.readouterr()
     check_one_line(code, out, err, *says)
